@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone: creates or updates .venv, then runs what you ask.
+#   bash dev.sh demo [ARGS...]   the two-process loopback demo (ZMQ on 127.0.0.1)
+#   bash dev.sh test [ARGS...]   the whole test suite (what .ci/run calls)
+#   bash dev.sh bench|sim|conformance [ARGS...]   the other kvlease subcommands
+#   bash dev.sh env              only create/update the environment
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+VENV=.venv
+STAMP=$VENV/.kvlease-installed
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+  fi
+  local want
+  want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    # The CPU build of torch first (it is on local disk), so nothing pulls a multi-GB CUDA build.
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+    echo "$want" > "$STAMP"
+  fi
+}
+
+cmd=${1:-test}
+[ $# -gt 0 ] && shift
+setup
+case "$cmd" in
+  env) ;;
+  test)
+    exec "$VENV/bin/python" -m pytest "$@" ;;
+  demo|bench|sim|conformance|version)
+    exec "$VENV/bin/kvlease" "$cmd" "$@" ;;
+  *)
+    echo "usage: bash dev.sh {demo|test|bench|sim|conformance|version|env} [ARGS...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,111 @@
+"""kvlease: KV-cache leases for disaggregated prefill/decode LLM serving.
+
+This package is the pure sans-IO core: it never reads a clock and never does I/O. Time is
+passed in as `LocalTime`; outputs are returned as values. Transports (`kvlease.transports`) and
+engine adapters (`kvlease.adapters`) load only when imported, behind extras.
+"""
+
+from ._accessor import AccessDecision, Accessor, TrackedState
+from ._clock import ClockOffsetEstimator, ClockSample, LocalTime, OffsetEstimate, PeerTime
+from ._codec import decode, encode, is_native_frame, split_ids
+from ._config import LeaseConfig
+from ._errors import (
+    ConfigError,
+    DecodeError,
+    EncodeError,
+    KvLeaseError,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from ._events import (
+    AccessCompleted,
+    AccessorOutput,
+    AccessStale,
+    EndReason,
+    Free,
+    HandshakeNeeded,
+    LeaseLost,
+    LostReason,
+    Output,
+    PinnerOutput,
+    Rejected,
+    Send,
+)
+from ._messages import (
+    PROTOCOL_VERSION,
+    AccessDone,
+    AccessDoneAck,
+    AccessOutcome,
+    Capability,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatAck,
+    LeaseKind,
+    LeaseTicket,
+    Message,
+    Release,
+)
+from ._pinner import LeaseInfo, LeaseState, Pinner, PinnerCounters
+from ._vllm_compat import VllmAccessDone, VllmHeartbeat, decode_vllm, encode_vllm_done, encode_vllm_heartbeat
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AccessCompleted",
+    "AccessDecision",
+    "AccessDone",
+    "AccessDoneAck",
+    "AccessOutcome",
+    "AccessStale",
+    "Accessor",
+    "AccessorOutput",
+    "Capability",
+    "ClockOffsetEstimator",
+    "ClockSample",
+    "ConfigError",
+    "DecodeError",
+    "EncodeError",
+    "EndReason",
+    "Free",
+    "Handshake",
+    "HandshakeNeeded",
+    "HandshakeReply",
+    "Heartbeat",
+    "HeartbeatAck",
+    "KvLeaseError",
+    "LeaseConfig",
+    "LeaseInfo",
+    "LeaseKind",
+    "LeaseLost",
+    "LeaseState",
+    "LeaseTicket",
+    "LocalProtocolError",
+    "LocalTime",
+    "LostReason",
+    "Message",
+    "OffsetEstimate",
+    "Output",
+    "PeerTime",
+    "Pinner",
+    "PinnerCounters",
+    "PinnerOutput",
+    "ProtocolError",
+    "Rejected",
+    "Release",
+    "RemoteProtocolError",
+    "Send",
+    "TrackedState",
+    "VllmAccessDone",
+    "VllmHeartbeat",
+    "__version__",
+    "decode",
+    "decode_vllm",
+    "encode",
+    "encode_vllm_done",
+    "encode_vllm_heartbeat",
+    "is_native_frame",
+    "split_ids",
+]

@@ -1,0 +1,3 @@
+from kvlease.cli import main
+
+main()

@@ -1,0 +1,361 @@
+"""The native wire codec: messages <-> bytes. Strict, versioned, bounded.
+
+Frame: the two bytes ``0xC1 0x4B`` (0xC1 is unused by msgpack and can never start UTF-8 text, so
+a frame is never mistaken for a vLLM notification), then one msgpack array
+``[version, type, field...]``. Lease-id lists are sorted and delta-encoded (first id absolute,
+then positive gaps), so consecutive ids cost one byte each. `decode` raises only `DecodeError`,
+whatever the bytes; the state machines never see bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import msgpack
+
+from ._clock import LocalTime, PeerTime
+from ._errors import DecodeError, EncodeError
+from ._messages import (
+    PROTOCOL_VERSION,
+    AccessDone,
+    AccessDoneAck,
+    AccessOutcome,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatAck,
+    Message,
+    Release,
+)
+
+__all__ = [
+    "MAGIC",
+    "MAX_DECODE_BYTES",
+    "MAX_ENGINE_ID_BYTES",
+    "decode",
+    "encode",
+    "ids_encoded_size",
+    "is_native_frame",
+    "message_overhead",
+    "split_ids",
+]
+
+MAGIC: Final = b"\xc1\x4b"
+MAX_DECODE_BYTES: Final = 1 << 20
+MAX_ENGINE_ID_BYTES: Final = 256
+MAX_IDS: Final = 1 << 17
+_U64: Final = 1 << 64
+
+_T_HANDSHAKE: Final = 1
+_T_HANDSHAKE_REPLY: Final = 2
+_T_HEARTBEAT: Final = 3
+_T_HEARTBEAT_ACK: Final = 4
+_T_ACCESS_DONE: Final = 5
+_T_ACCESS_DONE_ACK: Final = 6
+_T_RELEASE: Final = 7
+
+#: Field count after [version, type] for each message type.
+_ARITY: Final = {
+    _T_HANDSHAKE: 6,
+    _T_HANDSHAKE_REPLY: 10,
+    _T_HEARTBEAT: 6,
+    _T_HEARTBEAT_ACK: 11,
+    _T_ACCESS_DONE: 7,
+    _T_ACCESS_DONE_ACK: 5,
+    _T_RELEASE: 4,
+}
+
+
+def is_native_frame(data: bytes) -> bool:
+    """True if `data` starts like a native kvlease frame (it may still fail to decode)."""
+    return data[:2] == MAGIC
+
+
+def uint_size(v: int) -> int:
+    """Bytes msgpack uses for a non-negative int."""
+    if v < 128:
+        return 1
+    if v < 256:
+        return 2
+    if v < 65536:
+        return 3
+    if v < 1 << 32:
+        return 5
+    return 9
+
+
+def _array_header_size(n: int) -> int:
+    return 1 if n < 16 else 3 if n < 65536 else 5
+
+
+def ids_encoded_size(ids: Sequence[int]) -> int:
+    """Exact encoded size of a sorted id list (array header plus deltas)."""
+    total = _array_header_size(len(ids))
+    prev = 0
+    for i, v in enumerate(ids):
+        total += uint_size(v if i == 0 else v - prev)
+        prev = v
+    return total
+
+
+def message_overhead(engine_id: str) -> int:
+    """An upper bound on the bytes of a heartbeat or release besides its id list, and of a
+    heartbeat ack besides its four id lists (excluding their headers beyond one byte each)."""
+    # magic 2 + array hdr 1 + version 1 + type 1 + str (hdr <= 3) + rank 5 + incarnation 9
+    # + seq 9 + two floats 18 + renewed 5 + four list headers (3 each) + slack.
+    return 2 + 1 + 1 + 1 + 3 + len(engine_id.encode()) + 5 + 9 + 9 + 18 + 5 + 12 + 8
+
+
+def split_ids(ids: Sequence[int], budget: int) -> list[tuple[int, ...]]:
+    """Split a sorted id list into chunks whose encoded list is at most `budget` bytes."""
+    if budget < 16:
+        raise EncodeError(f"id budget of {budget} bytes is too small (need >= 16)")
+    chunks: list[tuple[int, ...]] = []
+    start = 0
+    size = 5  # worst-case array header
+    prev = 0
+    for i, v in enumerate(ids):
+        cost = uint_size(v if i == start else v - prev)
+        if i > start and size + cost > budget:
+            chunks.append(tuple(ids[start:i]))
+            start = i
+            size = 5
+            cost = uint_size(v)
+        size += cost
+        prev = v
+    if start < len(ids) or not chunks:
+        chunks.append(tuple(ids[start:]))
+    return chunks
+
+
+def _pack_ids(ids: Iterable[int]) -> list[int]:
+    out: list[int] = []
+    prev = -1
+    for v in ids:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _U64:
+            raise EncodeError(f"lease id must be a uint64, got {v!r}")
+        if v <= prev:
+            raise EncodeError(f"lease ids must be strictly increasing, got {v} after {prev}")
+        out.append(v if prev < 0 else v - prev)
+        prev = v
+    return out
+
+
+def _check_uint(name: str, v: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < _U64:
+        raise EncodeError(f"{name} must be a uint64, got {v!r}")
+    return v
+
+
+def _check_time(name: str, v: float) -> float:
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+        raise EncodeError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _check_engine(v: str) -> str:
+    if not isinstance(v, str) or not v or len(v.encode("utf-8", "surrogatepass")) > MAX_ENGINE_ID_BYTES:
+        raise EncodeError(f"engine_id must be a non-empty string of at most {MAX_ENGINE_ID_BYTES} bytes, got {v!r}")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise EncodeError(f"engine_id must be valid UTF-8 text, got {v!r}") from None
+    return v
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one message; raises `EncodeError` for values the wire cannot carry."""
+    body: list[Any]
+    match msg:
+        case Handshake():
+            body = [
+                _T_HANDSHAKE, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
+                _check_uint("ranks", msg.ranks), _check_uint("version", msg.version),
+                _check_uint("capabilities", msg.capabilities), _check_time("t_send", msg.t_send),
+            ]
+        case HandshakeReply():
+            body = [
+                _T_HANDSHAKE_REPLY, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
+                _check_uint("ranks", msg.ranks), _check_uint("incarnation", msg.incarnation),
+                _check_uint("version", msg.version), _check_uint("capabilities", msg.capabilities),
+                _check_uint("max_message_bytes", msg.max_message_bytes),
+                _check_time("t_echo", msg.t_echo), _check_time("t_recv", msg.t_recv),
+                _check_time("t_send", msg.t_send),
+            ]
+        case Heartbeat():
+            body = [
+                _T_HEARTBEAT, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
+                _check_uint("incarnation", msg.incarnation), _check_uint("seq", msg.seq),
+                _check_time("t_send", msg.t_send), _pack_ids(msg.lease_ids),
+            ]
+        case HeartbeatAck():
+            body = [
+                _T_HEARTBEAT_ACK, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
+                _check_uint("incarnation", msg.incarnation), _check_uint("seq", msg.seq),
+                _check_time("t_echo", msg.t_echo), _check_time("t_recv", msg.t_recv),
+                _check_uint("renewed", msg.renewed), _pack_ids(msg.unknown),
+                _pack_ids(msg.expired), _pack_ids(msg.released), _pack_ids(msg.completed),
+            ]
+        case AccessDone():
+            body = [
+                _T_ACCESS_DONE, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
+                _check_uint("incarnation", msg.incarnation), _check_uint("lease_id", msg.lease_id),
+                _check_uint("expected", msg.expected), bool(msg.confirm),
+                _check_time("t_send", msg.t_send),
+            ]
+        case AccessDoneAck():
+            body = [
+                _T_ACCESS_DONE_ACK, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
+                _check_uint("incarnation", msg.incarnation), _check_uint("lease_id", msg.lease_id),
+                int(msg.outcome),
+            ]
+        case Release():
+            body = [
+                _T_RELEASE, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
+                _check_uint("incarnation", msg.incarnation), _pack_ids(msg.lease_ids),
+            ]
+        case _:
+            raise EncodeError(f"not a kvlease message: {msg!r}")
+    return MAGIC + msgpack.packb([PROTOCOL_VERSION, *body], use_bin_type=True)
+
+
+class _Fields:
+    """Typed, bounds-checked access to a decoded array's fields."""
+
+    def __init__(self, items: list[Any], what: str) -> None:
+        self._items = items
+        self._i = 2
+        self._what = what
+
+    def _next(self, name: str) -> Any:
+        v = self._items[self._i]
+        self._i += 1
+        return v
+
+    def uint(self, name: str, *, lo: int = 0, hi: int = _U64 - 1) -> int:
+        v = self._next(name)
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise DecodeError(f"{self._what}.{name}: expected an integer in [{lo}, {hi}], got {v!r}")
+        return v
+
+    def time(self, name: str) -> float:
+        v = self._next(name)
+        if not isinstance(v, float | int) or isinstance(v, bool) or not math.isfinite(v):
+            raise DecodeError(f"{self._what}.{name}: expected a finite float, got {v!r}")
+        return float(v)
+
+    def engine(self, name: str = "engine_id") -> str:
+        v = self._next(name)
+        if not isinstance(v, str) or not v or len(v.encode()) > MAX_ENGINE_ID_BYTES:
+            raise DecodeError(
+                f"{self._what}.{name}: expected a non-empty string of at most "
+                f"{MAX_ENGINE_ID_BYTES} bytes, got {v!r:.80}"
+            )
+        return v
+
+    def boolean(self, name: str) -> bool:
+        v = self._next(name)
+        if not isinstance(v, bool):
+            raise DecodeError(f"{self._what}.{name}: expected a boolean, got {v!r}")
+        return v
+
+    def ids(self, name: str) -> tuple[int, ...]:
+        v = self._next(name)
+        if not isinstance(v, list):
+            raise DecodeError(f"{self._what}.{name}: expected an array of ids, got {type(v).__name__}")
+        out: list[int] = []
+        cur = 0
+        for i, d in enumerate(v):
+            if not isinstance(d, int) or isinstance(d, bool) or d < 0 or (i > 0 and d == 0):
+                raise DecodeError(
+                    f"{self._what}.{name}[{i}]: expected a {'positive gap' if i else 'uint'}, got {d!r}"
+                )
+            cur = d if i == 0 else cur + d
+            if cur >= _U64:
+                raise DecodeError(f"{self._what}.{name}[{i}]: id exceeds uint64")
+            out.append(cur)
+        return tuple(out)
+
+
+def decode(data: bytes, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
+    """Decode one native frame. Any problem raises `DecodeError` naming what was wrong."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise DecodeError(f"expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > max_bytes:
+        raise DecodeError(f"message of {len(data)} bytes exceeds the {max_bytes}-byte bound")
+    if data[:2] != MAGIC:
+        raise DecodeError(f"not a kvlease frame: starts with {data[:2]!r}, expected {MAGIC!r}")
+    try:
+        items = msgpack.unpackb(
+            data[2:],
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=MAX_ENGINE_ID_BYTES,
+            max_bin_len=0,
+            max_array_len=MAX_IDS,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, ...)
+        raise DecodeError(f"malformed msgpack body: {type(exc).__name__}: {exc}") from None
+    if not isinstance(items, list) or len(items) < 2:
+        raise DecodeError(f"expected an array [version, type, ...], got {type(items).__name__}")
+    version, mtype = items[0], items[1]
+    if version != PROTOCOL_VERSION or isinstance(version, bool):
+        raise DecodeError(f"unsupported protocol version {version!r} (this peer speaks {PROTOCOL_VERSION})")
+    if not isinstance(mtype, int) or isinstance(mtype, bool) or mtype not in _ARITY:
+        raise DecodeError(f"unknown message type {mtype!r}")
+    if len(items) != 2 + _ARITY[mtype]:
+        raise DecodeError(f"message type {mtype} expects {_ARITY[mtype]} fields, got {len(items) - 2}")
+    try:
+        return _decode_fields(mtype, items)
+    except DecodeError:
+        raise
+    except Exception as exc:  # defensive: nothing else may escape
+        raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}") from None
+
+
+def _decode_fields(mtype: int, items: list[Any]) -> Message:
+    if mtype == _T_HANDSHAKE:
+        f = _Fields(items, "Handshake")
+        return Handshake(
+            f.engine(), f.uint("rank"), f.uint("ranks", lo=1), f.uint("version"),
+            f.uint("capabilities"), LocalTime(f.time("t_send")),
+        )
+    if mtype == _T_HANDSHAKE_REPLY:
+        f = _Fields(items, "HandshakeReply")
+        return HandshakeReply(
+            f.engine(), f.uint("rank"), f.uint("ranks", lo=1), f.uint("incarnation"),
+            f.uint("version"), f.uint("capabilities"), f.uint("max_message_bytes", lo=1),
+            PeerTime(f.time("t_echo")), PeerTime(f.time("t_recv")), PeerTime(f.time("t_send")),
+        )
+    if mtype == _T_HEARTBEAT:
+        f = _Fields(items, "Heartbeat")
+        return Heartbeat(
+            f.engine(), f.uint("rank"), f.uint("incarnation"), f.uint("seq"),
+            LocalTime(f.time("t_send")), f.ids("lease_ids"),
+        )
+    if mtype == _T_HEARTBEAT_ACK:
+        f = _Fields(items, "HeartbeatAck")
+        return HeartbeatAck(
+            f.engine(), f.uint("rank"), f.uint("incarnation"), f.uint("seq"),
+            PeerTime(f.time("t_echo")), PeerTime(f.time("t_recv")), f.uint("renewed"),
+            f.ids("unknown"), f.ids("expired"), f.ids("released"), f.ids("completed"),
+        )
+    if mtype == _T_ACCESS_DONE:
+        f = _Fields(items, "AccessDone")
+        return AccessDone(
+            f.engine(), f.uint("rank"), f.uint("incarnation"), f.uint("lease_id"),
+            f.uint("expected", lo=1, hi=1 << 16), f.boolean("confirm"), LocalTime(f.time("t_send")),
+        )
+    if mtype == _T_ACCESS_DONE_ACK:
+        f = _Fields(items, "AccessDoneAck")
+        engine, rank, inc, lid = f.engine(), f.uint("rank"), f.uint("incarnation"), f.uint("lease_id")
+        outcome = f.uint("outcome", hi=max(AccessOutcome))
+        return AccessDoneAck(engine, rank, inc, lid, AccessOutcome(outcome))
+    f = _Fields(items, "Release")
+    return Release(f.engine(), f.uint("rank"), f.uint("incarnation"), f.ids("lease_ids"))

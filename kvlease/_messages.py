@@ -1,0 +1,214 @@
+"""The protocol's messages, as plain frozen values (no bytes here: see `_codec`).
+
+Every message a pinner and an accessor exchange is one of these classes. `LeaseTicket` is not a
+wire message: it is what the pinner hands to the accessor out of band (vLLM's
+``kv_transfer_params``), in a JSON-friendly form.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from ._clock import LocalTime, PeerTime
+from ._errors import RemoteProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AccessDone",
+    "AccessDoneAck",
+    "AccessOutcome",
+    "Capability",
+    "Handshake",
+    "HandshakeReply",
+    "Heartbeat",
+    "HeartbeatAck",
+    "LeaseKind",
+    "LeaseTicket",
+    "Message",
+    "Release",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class LeaseKind(enum.IntEnum):
+    """Renewable leases are extended by heartbeats; fixed-TTL leases (bidirectional turn-1
+    blocks) are never extended and end at a deadline the accessor converts to its clock."""
+
+    RENEWABLE = 0
+    FIXED_TTL = 1
+
+
+class AccessOutcome(enum.IntEnum):
+    """The pinner's verdict on an access-done it was asked to confirm."""
+
+    #: The lease was live when the pinner handled the access-done: the access is valid.
+    OK = 0
+    #: The lease had already expired (or was released): the data may be stale.
+    STALE = 1
+    #: The pinner does not know the lease (restarted, forgotten, never granted).
+    UNKNOWN = 2
+
+
+class Capability(enum.IntFlag):
+    NONE = 0
+    #: The peer answers heartbeats with `HeartbeatAck` (always set by kvlease peers).
+    HEARTBEAT_ACK = 1
+    #: The peer supports push mode (the accessor WRITEs into the pinner's memory).
+    PUSH = 2
+    #: The peer confirms access-done on request (`AccessDoneAck`).
+    CONFIRM_ACCESS = 4
+    #: The peer understands vLLM's native ``HB:``/``id:count`` notifications.
+    VLLM_COMPAT = 8
+
+
+ALL_CAPABILITIES = Capability.HEARTBEAT_ACK | Capability.PUSH | Capability.CONFIRM_ACCESS
+
+
+@attrs.frozen
+class Handshake:
+    """Accessor → pinner, over the side channel, before heartbeats flow."""
+
+    engine_id: str
+    rank: int
+    ranks: int
+    version: int
+    capabilities: int
+    t_send: LocalTime
+
+
+@attrs.frozen
+class HandshakeReply:
+    """Pinner → accessor: identity, incarnation, TP layout and a clock sample."""
+
+    engine_id: str
+    rank: int
+    ranks: int
+    incarnation: int
+    version: int
+    capabilities: int
+    max_message_bytes: int
+    t_echo: PeerTime  # the accessor's t_send, echoed (the accessor's clock)
+    t_recv: PeerTime  # the pinner's clock when it received the handshake
+    t_send: PeerTime  # the pinner's clock when it sent this reply
+
+
+@attrs.frozen
+class Heartbeat:
+    """Accessor → every worker of one pinner engine: renew these leases."""
+
+    engine_id: str  # the sender (accessor engine)
+    rank: int
+    incarnation: int  # the pinner incarnation the ids belong to
+    seq: int
+    t_send: LocalTime  # sender's clock, echoed in the ack (validity is measured from it)
+    lease_ids: tuple[int, ...]  # strictly increasing
+
+
+@attrs.frozen
+class HeartbeatAck:
+    """Pinner → accessor: what a heartbeat renewed, and which ids it does not hold."""
+
+    engine_id: str  # the sender (pinner engine)
+    rank: int
+    incarnation: int
+    seq: int
+    t_echo: PeerTime  # the heartbeat's t_send (the accessor's clock)
+    t_recv: PeerTime  # the pinner's clock when it handled the heartbeat
+    renewed: int  # how many of the heartbeat's ids were live and renewed (or fixed and held)
+    unknown: tuple[int, ...] = ()  # never granted here, or forgotten
+    expired: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
+    completed: tuple[int, ...] = ()  # access-done already counted to completion
+
+
+@attrs.frozen
+class AccessDone:
+    """Accessor rank → pinner rank: my access of this lease's memory finished."""
+
+    engine_id: str
+    rank: int
+    incarnation: int
+    lease_id: int
+    expected: int  # accessor ranks the pinner must hear from before the access is complete
+    confirm: bool  # ask for an `AccessDoneAck` (the access was not covered by validity)
+    t_send: LocalTime
+
+
+@attrs.frozen
+class AccessDoneAck:
+    """Pinner → accessor: whether the lease was live when the access-done was handled."""
+
+    engine_id: str
+    rank: int
+    incarnation: int
+    lease_id: int
+    outcome: AccessOutcome
+
+
+@attrs.frozen
+class Release:
+    """Accessor → pinner: these leases will never be accessed (request aborted); free now."""
+
+    engine_id: str
+    rank: int
+    incarnation: int
+    lease_ids: tuple[int, ...]  # strictly increasing
+
+
+Message = Handshake | HandshakeReply | Heartbeat | HeartbeatAck | AccessDone | AccessDoneAck | Release
+
+
+@attrs.frozen
+class LeaseTicket:
+    """What an accessor needs to renew and access a lease; the pinner returns it from
+    `Pinner.grant` and the engine carries it with the transfer parameters."""
+
+    engine_id: str  # the pinner engine
+    incarnation: int
+    lease_id: int
+    kind: LeaseKind = LeaseKind.RENEWABLE
+    #: Fixed-TTL only: the pinner's deadline, in the pinner's clock.
+    deadline: PeerTime | None = None
+    #: Pinner ranks holding this lease's memory (TP size of the pinner engine).
+    ranks: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "engine_id": self.engine_id,
+            "incarnation": self.incarnation,
+            "lease_id": self.lease_id,
+            "kind": int(self.kind),
+            "ranks": self.ranks,
+        }
+        if self.deadline is not None:
+            d["deadline"] = float(self.deadline)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: object) -> LeaseTicket:
+        """Parse transfer parameters; a malformed one raises `RemoteProtocolError`."""
+        if not isinstance(d, dict):
+            raise RemoteProtocolError(f"lease ticket must be a mapping, got {type(d).__name__}")
+        try:
+            engine_id, incarnation, lease_id = d["engine_id"], d["incarnation"], d["lease_id"]
+            kind = LeaseKind(d.get("kind", 0))
+            ranks = d.get("ranks", 1)
+            deadline = d.get("deadline")
+        except (KeyError, ValueError) as exc:
+            raise RemoteProtocolError(f"malformed lease ticket {d!r}: {exc}") from None
+        if not isinstance(engine_id, str) or not engine_id:
+            raise RemoteProtocolError(f"lease ticket engine_id must be a non-empty string: {d!r}")
+        for name, v in (("incarnation", incarnation), ("lease_id", lease_id), ("ranks", ranks)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 64:
+                raise RemoteProtocolError(f"lease ticket {name} must be a uint64: {d!r}")
+        if ranks < 1:
+            raise RemoteProtocolError(f"lease ticket ranks must be >= 1: {d!r}")
+        if kind is LeaseKind.FIXED_TTL:
+            if not isinstance(deadline, int | float) or isinstance(deadline, bool):
+                raise RemoteProtocolError(f"fixed-TTL lease ticket needs a numeric deadline: {d!r}")
+            return cls(engine_id, incarnation, lease_id, kind, PeerTime(float(deadline)), ranks)
+        return cls(engine_id, incarnation, lease_id, kind, None, ranks)

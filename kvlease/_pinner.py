@@ -1,0 +1,466 @@
+"""The pinner: the side that holds memory for a remote accessor and decides when to free it.
+
+It grants leases, extends them on heartbeats (``expiry = max(old, now + extension)``), counts
+access-done per accessor rank, releases, and expires. It answers every heartbeat with what it
+renewed and which ids it does not hold, so an accessor learns of a lost lease within one round
+trip. Each lease frees exactly once; a late or duplicate message about a finished lease gets a
+precise answer from a bounded tombstone, never a second free.
+
+Expiry structure: a binary heap with exactly one entry per live lease, keyed by a *lower bound*
+of its expiry. A renewal only raises the lease's own expiry field (O(1), no heap work); when the
+entry surfaces, a renewed lease is pushed back at its true expiry (O(log n)), an expired one is
+freed. Peeking the next deadline is O(1) and never late — the bug of stopping at the first
+unexpired entry of a list ordered by *grant* time (vLLM issue #58222) cannot happen because the
+heap is ordered by the bound itself.
+
+Never reads a clock, never does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import attrs
+
+from ._clock import LocalTime, PeerTime
+from ._config import LeaseConfig
+from ._errors import LocalProtocolError
+from ._events import EndReason, Free, PinnerOutput, Rejected, Send
+from ._messages import (
+    ALL_CAPABILITIES,
+    PROTOCOL_VERSION,
+    AccessDone,
+    AccessDoneAck,
+    AccessOutcome,
+    Capability,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatAck,
+    LeaseKind,
+    LeaseTicket,
+    Message,
+    Release,
+)
+
+__all__ = ["LeaseInfo", "LeaseState", "Pinner", "PinnerCounters"]
+
+_MAX_RANK = 1 << 16
+_COMPAT_RANK_BASE = _MAX_RANK  # pseudo-ranks for vLLM's rank-less `id:count` notifications
+
+
+class LeaseState(enum.Enum):
+    ACTIVE = "active"
+    #: Push mode: expired, but a write that started in time may still be landing; the memory
+    #: is kept for the access-time bound before it is freed.
+    QUARANTINED = "quarantined"
+    ENDED = "ended"
+
+
+class _Lease:
+    """One live lease. Plain slots class: it exists a million times over."""
+
+    __slots__ = ("done", "expected", "expiry", "key", "kind", "lease_id", "push", "state")
+
+    def __init__(
+        self, lease_id: int, key: str, kind: LeaseKind, expiry: float, expected: int, push: bool
+    ) -> None:
+        self.lease_id = lease_id
+        self.key = key
+        self.kind = kind
+        self.expiry = expiry
+        self.expected = expected  # 0: taken from the first access-done
+        self.push = push
+        self.state = LeaseState.ACTIVE
+        self.done: frozenset[int] | None = None
+
+
+@attrs.frozen
+class LeaseInfo:
+    """A read-only view of a live lease."""
+
+    lease_id: int
+    key: str
+    kind: LeaseKind
+    state: LeaseState
+    expiry: LocalTime
+    push: bool
+    accesses_done: int
+    expected: int
+
+
+@attrs.define
+class PinnerCounters:
+    """Monotone counters a driver can export. Renewals are counted per lease id."""
+
+    granted: int = 0
+    renewed: int = 0
+    released: int = 0
+    expired: int = 0
+    completed: int = 0
+    heartbeats: int = 0
+    heartbeat_ids_missing: int = 0
+    late_access_done: int = 0
+    rejected: int = 0
+
+
+class Pinner:
+    """The pinner side of the lease protocol, for one worker (rank) of one engine.
+
+    `incarnation` must differ between restarts of the engine (a random 64-bit value): lease
+    ids restart from 1, and a heartbeat for an id of an older incarnation must never renew a
+    new lease that reuses that id.
+    """
+
+    def __init__(
+        self,
+        config: LeaseConfig,
+        engine_id: str,
+        incarnation: int,
+        *,
+        rank: int = 0,
+        ranks: int = 1,
+    ) -> None:
+        if not engine_id:
+            raise LocalProtocolError("engine_id must be a non-empty string")
+        if not 0 <= incarnation < 1 << 64:
+            raise LocalProtocolError(f"incarnation must be a uint64, got {incarnation}")
+        if not 0 <= rank < ranks <= _MAX_RANK:
+            raise LocalProtocolError(f"need 0 <= rank < ranks <= {_MAX_RANK}, got rank={rank} ranks={ranks}")
+        self.config = config
+        self.engine_id = engine_id
+        self.incarnation = incarnation
+        self.rank = rank
+        self.ranks = ranks
+        self.counters = PinnerCounters()
+        self._leases: dict[int, _Lease] = {}
+        self._heap: list[tuple[float, int]] = []
+        self._tombstones: OrderedDict[int, EndReason] = OrderedDict()
+        self._by_key: dict[str, int] | None = {} if config.vllm_compat else None
+        self._next_id = 1
+        self._now = float("-inf")
+
+    # -- time -------------------------------------------------------------------------------
+
+    def _advance(self, now: LocalTime) -> float:
+        if now < self._now:
+            raise LocalProtocolError(f"time ran backwards: now={now} after {self._now}")
+        if now != now:  # NaN
+            raise LocalProtocolError("now is NaN")
+        self._now = now
+        return now
+
+    def next_deadline(self) -> LocalTime | None:
+        """When `handle_timeout` next has work (possibly early, never late), or None."""
+        return LocalTime(self._heap[0][0]) if self._heap else None
+
+    def handle_timeout(self, now: LocalTime) -> tuple[PinnerOutput, ...]:
+        """Expire every lease whose deadline has passed. Safe to call at any time."""
+        self._advance(now)
+        heap = self._heap
+        out: list[PinnerOutput] = []
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                continue  # ended earlier; its entry was left behind
+            if lease.expiry > now:
+                heapq.heappush(heap, (lease.expiry, lease_id))  # renewed since it was pushed
+            elif lease.push and lease.state is LeaseState.ACTIVE:
+                lease.state = LeaseState.QUARANTINED
+                lease.expiry += self.config.push_guard
+                heapq.heappush(heap, (lease.expiry, lease_id))
+            else:
+                out.append(self._end(lease, EndReason.EXPIRED, now))
+        if len(heap) > 2 * len(self._leases) + 64:
+            self._heap = [(lease.expiry, lid) for lid, lease in self._leases.items()]
+            heapq.heapify(self._heap)
+        return tuple(out)
+
+    # -- local calls ------------------------------------------------------------------------
+
+    def grant(
+        self,
+        now: LocalTime,
+        key: str,
+        *,
+        kind: LeaseKind = LeaseKind.RENEWABLE,
+        push: bool = False,
+        expected: int | None = None,
+        ttl: float | None = None,
+        lease_id: int | None = None,
+    ) -> LeaseTicket:
+        """Pin `key`'s memory under a new lease and return the ticket the accessor needs.
+
+        Renewable leases last `kv_lease_duration` unless renewed; fixed-TTL ones last `ttl`
+        (default `decoder_kv_blocks_ttl`) and are never extended. `push` marks memory the
+        accessor will WRITE into (kept for the access-time bound after expiry). `expected`
+        fixes how many accessor ranks must report done (default: as the accessor says).
+        `lease_id` lets a scheduler that fans a grant out to several workers use one id for
+        all; it must be fresh on this pinner.
+        """
+        self._advance(now)
+        if kind is LeaseKind.FIXED_TTL:
+            duration = self.config.decoder_kv_blocks_ttl if ttl is None else ttl
+        elif ttl is not None:
+            raise LocalProtocolError("ttl is only for FIXED_TTL leases")
+        else:
+            duration = self.config.kv_lease_duration
+        if not duration > 0.0 or duration == float("inf"):
+            raise LocalProtocolError(f"lease duration must be positive and finite, got {duration}")
+        if expected is not None and not 1 <= expected <= _MAX_RANK:
+            raise LocalProtocolError(f"expected must be in [1, {_MAX_RANK}], got {expected}")
+        if lease_id is None:
+            lease_id = self._next_id
+        elif not 1 <= lease_id < 1 << 64:
+            raise LocalProtocolError(f"lease_id must be in [1, 2**64), got {lease_id}")
+        if lease_id in self._leases or lease_id in self._tombstones:
+            raise LocalProtocolError(f"lease id {lease_id} is already in use on this pinner")
+        self._next_id = max(self._next_id, lease_id + 1)
+        expiry = now + duration
+        lease = _Lease(lease_id, key, kind, expiry, expected or 0, push)
+        self._leases[lease_id] = lease
+        heapq.heappush(self._heap, (expiry, lease_id))
+        if self._by_key is not None:
+            self._by_key[key] = lease_id
+        self.counters.granted += 1
+        return LeaseTicket(
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            lease_id=lease_id,
+            kind=kind,
+            deadline=PeerTime(expiry) if kind is LeaseKind.FIXED_TTL else None,
+            ranks=self.ranks,
+        )
+
+    def release(self, now: LocalTime, lease_id: int) -> tuple[PinnerOutput, ...]:
+        """The local engine aborts the request: free at once. Releasing a lease that already
+        ended is a harmless race (no output); releasing an id never granted is misuse."""
+        self._advance(now)
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            if lease_id >= self._next_id or lease_id < 1:
+                raise LocalProtocolError(f"lease id {lease_id} was never granted by this pinner")
+            return ()
+        if lease.state is LeaseState.QUARANTINED:
+            return ()  # a write may still land; the guard frees it
+        return (self._end(lease, EndReason.RELEASED, now),)
+
+    def info(self, lease_id: int) -> LeaseInfo | None:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None
+        return LeaseInfo(
+            lease.lease_id, lease.key, lease.kind, lease.state, LocalTime(lease.expiry), lease.push,
+            len(lease.done or ()), lease.expected,
+        )
+
+    def ended_reason(self, lease_id: int) -> EndReason | None:
+        """Why a finished lease ended, while its tombstone lasts."""
+        return self._tombstones.get(lease_id)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._leases)
+
+    def live_ids(self) -> Iterable[int]:
+        return self._leases.keys()
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def receive(self, now: LocalTime, message: Message) -> tuple[PinnerOutput, ...]:
+        """Handle one decoded message from an accessor."""
+        self._advance(now)
+        match message:
+            case Heartbeat():
+                return self._on_heartbeat(now, message)
+            case AccessDone():
+                return self._on_access_done(now, message)
+            case Release():
+                return self._on_release(now, message)
+            case Handshake():
+                return self._on_handshake(now, message)
+            case HeartbeatAck() | AccessDoneAck() | HandshakeReply():
+                self.counters.rejected += 1
+                return (Rejected(message.engine_id, f"{type(message).__name__} is not for a pinner"),)
+
+    def handshake_reply(self, now: LocalTime, message: Handshake) -> HandshakeReply:
+        """The reply to a handshake, for a driver that answers on a side channel."""
+        self._advance(now)
+        caps = ALL_CAPABILITIES | (Capability.VLLM_COMPAT if self._by_key is not None else 0)
+        return HandshakeReply(
+            engine_id=self.engine_id,
+            rank=self.rank,
+            ranks=self.ranks,
+            incarnation=self.incarnation,
+            version=PROTOCOL_VERSION,
+            capabilities=int(caps),
+            max_message_bytes=self.config.max_message_bytes,
+            t_echo=PeerTime(message.t_send),
+            t_recv=PeerTime(now),
+            t_send=PeerTime(now),
+        )
+
+    def _on_handshake(self, now: LocalTime, msg: Handshake) -> tuple[PinnerOutput, ...]:
+        reply = Send(msg.engine_id, msg.rank, self.handshake_reply(now, msg))
+        if msg.version != PROTOCOL_VERSION:
+            self.counters.rejected += 1
+            why = f"handshake version {msg.version}, this pinner speaks {PROTOCOL_VERSION}"
+            return (Rejected(msg.engine_id, why), reply)
+        return (reply,)
+
+    def _on_heartbeat(self, now: LocalTime, msg: Heartbeat) -> tuple[PinnerOutput, ...]:
+        self.counters.heartbeats += 1
+        unknown: list[int] = []
+        expired: list[int] = []
+        released: list[int] = []
+        completed: list[int] = []
+        renewed = 0
+        if msg.incarnation != self.incarnation:
+            unknown = list(msg.lease_ids)
+        else:
+            new_expiry = now + self.config.lease_extension
+            leases = self._leases
+            tombstones = self._tombstones
+            for lease_id in msg.lease_ids:
+                lease = leases.get(lease_id)
+                if lease is not None and lease.state is LeaseState.ACTIVE:
+                    if lease.kind is LeaseKind.RENEWABLE and new_expiry > lease.expiry:
+                        lease.expiry = new_expiry
+                    renewed += 1
+                    continue
+                reason = EndReason.EXPIRED if lease is not None else tombstones.get(lease_id)
+                if reason is EndReason.EXPIRED:
+                    expired.append(lease_id)
+                elif reason is EndReason.RELEASED:
+                    released.append(lease_id)
+                elif reason is EndReason.ACCESS_DONE:
+                    completed.append(lease_id)
+                else:
+                    unknown.append(lease_id)
+        self.counters.renewed += renewed
+        self.counters.heartbeat_ids_missing += len(msg.lease_ids) - renewed
+        ack = HeartbeatAck(
+            engine_id=self.engine_id,
+            rank=self.rank,
+            incarnation=self.incarnation,
+            seq=msg.seq,
+            t_echo=PeerTime(msg.t_send),
+            t_recv=PeerTime(now),
+            renewed=renewed,
+            unknown=tuple(unknown),
+            expired=tuple(expired),
+            released=tuple(released),
+            completed=tuple(completed),
+        )
+        return (Send(msg.engine_id, msg.rank, ack),)
+
+    def _on_access_done(self, now: LocalTime, msg: AccessDone) -> tuple[PinnerOutput, ...]:
+        out: list[PinnerOutput] = []
+        outcome = self._count_access(now, msg.incarnation, msg.lease_id, msg.rank, msg.expected, msg.engine_id, out)
+        if msg.confirm:
+            ack = AccessDoneAck(self.engine_id, self.rank, self.incarnation, msg.lease_id, outcome)
+            out.append(Send(msg.engine_id, msg.rank, ack))
+        return tuple(out)
+
+    def _count_access(
+        self,
+        now: LocalTime,
+        incarnation: int,
+        lease_id: int,
+        rank: int,
+        expected: int,
+        sender: str,
+        out: list[PinnerOutput],
+    ) -> AccessOutcome:
+        lease = self._leases.get(lease_id) if incarnation == self.incarnation else None
+        if lease is None:
+            reason = self._tombstones.get(lease_id) if incarnation == self.incarnation else None
+            if reason is EndReason.ACCESS_DONE:
+                return AccessOutcome.OK  # a duplicate of an access counted while live
+            self.counters.late_access_done += 1
+            return AccessOutcome.STALE if reason is not None else AccessOutcome.UNKNOWN
+        if lease.state is not LeaseState.ACTIVE:
+            self.counters.late_access_done += 1
+            return AccessOutcome.STALE
+        if not 0 <= rank < _MAX_RANK + _MAX_RANK or not 1 <= expected <= _MAX_RANK:
+            self.counters.rejected += 1
+            out.append(Rejected(sender, f"access-done rank {rank} / expected {expected} out of range"))
+            return AccessOutcome.STALE
+        if lease.expected and expected != lease.expected:
+            self.counters.rejected += 1
+            out.append(
+                Rejected(sender, f"access-done for lease {lease_id} expects {expected} ranks, granted with {lease.expected}")
+            )
+            return AccessOutcome.STALE
+        lease.expected = expected
+        done = (lease.done or frozenset()) | {rank}
+        lease.done = done
+        if len(done) >= expected:
+            out.append(self._end(lease, EndReason.ACCESS_DONE, now))
+        return AccessOutcome.OK
+
+    def _on_release(self, now: LocalTime, msg: Release) -> tuple[PinnerOutput, ...]:
+        if msg.incarnation != self.incarnation:
+            return ()
+        out: list[PinnerOutput] = []
+        for lease_id in msg.lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.state is LeaseState.ACTIVE:
+                out.append(self._end(lease, EndReason.RELEASED, now))
+        return tuple(out)
+
+    # -- vLLM compatibility -----------------------------------------------------------------
+
+    def receive_vllm_heartbeat(self, now: LocalTime, request_ids: Iterable[str]) -> int:
+        """Renew by request id, as a stock vLLM decoder's ``HB:`` notification asks. vLLM
+        expects no answer. Returns how many were renewed. Needs ``vllm_compat=True``."""
+        self._advance(now)
+        by_key = self._require_compat()
+        ids = sorted({by_key[k] for k in request_ids if k in by_key})
+        hb = Heartbeat("vllm", 0, self.incarnation, 0, LocalTime(now), tuple(ids))
+        renewed_before = self.counters.renewed
+        self._on_heartbeat(now, hb)
+        return self.counters.renewed - renewed_before
+
+    def receive_vllm_done(self, now: LocalTime, request_id: str, count: int) -> tuple[PinnerOutput, ...]:
+        """Handle a stock vLLM ``id:count`` read-done notification (one per reading worker;
+        the lease ends after `count` of them)."""
+        self._advance(now)
+        by_key = self._require_compat()
+        lease_id = by_key.get(request_id)
+        if lease_id is None or lease_id not in self._leases:
+            self.counters.late_access_done += 1
+            return ()
+        lease = self._leases[lease_id]
+        pseudo_rank = _COMPAT_RANK_BASE + len(lease.done or ())
+        out: list[PinnerOutput] = []
+        self._count_access(now, self.incarnation, lease_id, pseudo_rank, count, "vllm", out)
+        return tuple(out)
+
+    def _require_compat(self) -> dict[str, int]:
+        if self._by_key is None:
+            raise LocalProtocolError("vLLM compatibility needs LeaseConfig(vllm_compat=True)")
+        return self._by_key
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _end(self, lease: _Lease, reason: EndReason, now: LocalTime) -> Free:
+        lease.state = LeaseState.ENDED
+        del self._leases[lease.lease_id]
+        if self._by_key is not None and self._by_key.get(lease.key) == lease.lease_id:
+            del self._by_key[lease.key]
+        if self.config.tombstone_limit:
+            self._tombstones[lease.lease_id] = reason
+            if len(self._tombstones) > self.config.tombstone_limit:
+                self._tombstones.popitem(last=False)
+        if reason is EndReason.EXPIRED:
+            self.counters.expired += 1
+        elif reason is EndReason.RELEASED:
+            self.counters.released += 1
+        else:
+            self.counters.completed += 1
+        return Free(lease.lease_id, lease.key, reason, now)
