@@ -60,6 +60,13 @@ class LeaseState(enum.Enum):
     ENDED = "ended"
 
 
+# Enum member lookups cost a descriptor call each; the hot paths use these module constants.
+_ACTIVE = LeaseState.ACTIVE
+_RENEWABLE = LeaseKind.RENEWABLE
+_FIXED_TTL = LeaseKind.FIXED_TTL
+_INF = float("inf")
+
+
 class _Lease:
     """One live lease. Plain slots class: it exists a million times over."""
 
@@ -74,7 +81,7 @@ class _Lease:
         self.expiry = expiry
         self.expected = expected  # 0: taken from the first access-done
         self.push = push
-        self.state = LeaseState.ACTIVE
+        self.state = _ACTIVE
         self.done: frozenset[int] | None = None
 
 
@@ -203,13 +210,13 @@ class Pinner:
         all; it must be fresh on this pinner.
         """
         self._advance(now)
-        if kind is LeaseKind.FIXED_TTL:
-            duration = self.config.decoder_kv_blocks_ttl if ttl is None else ttl
-        elif ttl is not None:
-            raise LocalProtocolError("ttl is only for FIXED_TTL leases")
-        else:
+        if kind is _RENEWABLE and ttl is None:
             duration = self.config.kv_lease_duration
-        if not duration > 0.0 or duration == float("inf"):
+        elif kind is _FIXED_TTL:
+            duration = self.config.decoder_kv_blocks_ttl if ttl is None else ttl
+        else:
+            raise LocalProtocolError("ttl is only for FIXED_TTL leases")
+        if not 0.0 < duration < _INF:
             raise LocalProtocolError(f"lease duration must be positive and finite, got {duration}")
         if expected is not None and not 1 <= expected <= _MAX_RANK:
             raise LocalProtocolError(f"expected must be in [1, {_MAX_RANK}], got {expected}")
@@ -232,7 +239,7 @@ class Pinner:
             incarnation=self.incarnation,
             lease_id=lease_id,
             kind=kind,
-            deadline=PeerTime(expiry) if kind is LeaseKind.FIXED_TTL else None,
+            deadline=PeerTime(expiry) if kind is _FIXED_TTL else None,
             ranks=self.ranks,
         )
 
@@ -327,8 +334,8 @@ class Pinner:
             tombstones = self._tombstones
             for lease_id in msg.lease_ids:
                 lease = leases.get(lease_id)
-                if lease is not None and lease.state is LeaseState.ACTIVE:
-                    if lease.kind is LeaseKind.RENEWABLE and new_expiry > lease.expiry:
+                if lease is not None and lease.state is _ACTIVE:
+                    if lease.kind is _RENEWABLE and new_expiry > lease.expiry:
                         lease.expiry = new_expiry
                     renewed += 1
                     continue
