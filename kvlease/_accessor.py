@@ -54,7 +54,7 @@ from ._messages import (
     Release,
 )
 
-__all__ = ["Accessor", "AccessDecision", "TrackedState"]
+__all__ = ["AccessDecision", "Accessor", "TrackedState"]
 
 
 class TrackedState(enum.Enum):
@@ -118,9 +118,10 @@ class _Engine:
         self.incarnation: int | None = None
         self.ranks = ranks
         self.seq = 0
-        self.leases: dict[int, _Tracked] = {}
-        self.deadlines: dict[int, PeerTime] = {}  # fixed-TTL deadlines, pinner clock
-        self.new_ids: set[int] = set()
+        # Keyed by (incarnation, lease id): a restarted pinner reuses ids under a new incarnation.
+        self.leases: dict[tuple[int, int], _Tracked] = {}
+        self.deadlines: dict[tuple[int, int], PeerTime] = {}  # fixed-TTL deadlines, pinner clock
+        self.new_ids: set[tuple[int, int]] = set()
         self.next_heartbeat = float("inf")
         self.handshake_due = float("-inf")
         self.outstanding: OrderedDict[int, _Outstanding] = OrderedDict()
@@ -181,10 +182,10 @@ class Accessor:
                 eng.new_ids.clear()
                 eng.next_heartbeat = now + self.config.heartbeat_interval
                 live = (TrackedState.WAITING, TrackedState.ACCESSING)
-                ids = [i for i, t in eng.leases.items() if t.state in live and t.incarnation == eng.incarnation]
+                ids = [i for (inc, i), t in eng.leases.items() if t.state in live and inc == eng.incarnation]
                 self._send_heartbeats(now, eng, sorted(ids), out)
             elif eng.new_ids:
-                ids = sorted(i for i in eng.new_ids if eng.leases[i].incarnation == eng.incarnation)
+                ids = sorted(i for inc, i in eng.new_ids if inc == eng.incarnation)
                 eng.new_ids.clear()
                 self._send_heartbeats(now, eng, ids, out)
         checks = self._checks
@@ -226,12 +227,13 @@ class Accessor:
         eng = self._engines.get(ticket.engine_id)
         if eng is None:
             eng = self._engines[ticket.engine_id] = _Engine(ticket.engine_id, self.config, ticket.ranks)
-        if ticket.lease_id in eng.leases:
+        lkey = (ticket.incarnation, ticket.lease_id)
+        if lkey in eng.leases:
             raise LocalProtocolError(f"lease {ticket.lease_id} of {ticket.engine_id!r} is already tracked")
         t = _Tracked(key, eng, ticket, push, now)
         eng.ranks = ticket.ranks
         self._tracked[key] = t
-        eng.leases[ticket.lease_id] = t
+        eng.leases[lkey] = t
         if eng.connected and eng.incarnation != ticket.incarnation:
             # Either this ticket is stale or the pinner restarted and we have not noticed:
             # a fresh handshake settles which leases still exist.
@@ -239,12 +241,12 @@ class Accessor:
             eng.handshake_due = now
         if ticket.kind is LeaseKind.FIXED_TTL:
             assert ticket.deadline is not None
-            eng.deadlines[ticket.lease_id] = ticket.deadline
+            eng.deadlines[lkey] = ticket.deadline
             self._refresh_fixed(now, eng, t)
         heapq.heappush(self._checks, (self._lapse_time(t), key))
         out: list[AccessorOutput] = []
         if eng.connected:
-            eng.new_ids.add(ticket.lease_id)
+            eng.new_ids.add(lkey)
         elif eng.handshake_due <= now:
             eng.handshake_due = now + self.config.heartbeat_interval
             out.append(HandshakeNeeded(eng.engine_id, self._handshake(now)))
@@ -429,9 +431,9 @@ class Accessor:
         ):
             for lease_id in ids:
                 rec.missing.add(lease_id)
-                t = eng.leases.get(lease_id)
-                if t is not None and t.state is not TrackedState.CONFIRMING:
-                    out.extend(self._lose(t, reason))
+                lost = eng.leases.get((rec.incarnation, lease_id))
+                if lost is not None and lost.state is not TrackedState.CONFIRMING:
+                    out.extend(self._lose(lost, reason))
         rec.pending_ranks.discard(ack.rank)
         if ack.rank == 0 and ack.t_echo <= now:
             eng.clock.add_sample(ClockSample(LocalTime(ack.t_echo), ack.t_recv, ack.t_recv, now))
@@ -439,19 +441,19 @@ class Accessor:
             del eng.outstanding[ack.seq]
             valid = rec.t_send + self.config.accessor_extension
             for lease_id in rec.ids:
-                t = eng.leases.get(lease_id)
-                if t is None or lease_id in rec.missing or t.kind is not LeaseKind.RENEWABLE:
+                renewed = eng.leases.get((rec.incarnation, lease_id))
+                if renewed is None or lease_id in rec.missing or renewed.kind is not LeaseKind.RENEWABLE:
                     continue
-                if valid > t.valid_until:
-                    t.valid_until = valid
+                if valid > renewed.valid_until:
+                    renewed.valid_until = valid
         if ack.rank == 0:
-            for lease_id in list(eng.deadlines):
-                self._refresh_fixed(now, eng, eng.leases[lease_id])
+            for lkey in list(eng.deadlines):
+                self._refresh_fixed(now, eng, eng.leases[lkey])
         return tuple(out)
 
     def _on_done_ack(self, now: LocalTime, ack: AccessDoneAck) -> tuple[AccessorOutput, ...]:
         eng = self._engines.get(ack.engine_id)
-        t = None if eng is None else eng.leases.get(ack.lease_id)
+        t = None if eng is None else eng.leases.get((ack.incarnation, ack.lease_id))
         if t is None or t.state is not TrackedState.CONFIRMING or ack.rank not in t.confirm_pending:
             return ()  # duplicate or late
         if ack.outcome is not AccessOutcome.OK:
@@ -495,7 +497,7 @@ class Accessor:
             out.append(Send(eng.engine_id, None, hb))
 
     def _refresh_fixed(self, now: float, eng: _Engine, t: _Tracked) -> None:
-        deadline = eng.deadlines.get(t.lease_id)
+        deadline = eng.deadlines.get((t.incarnation, t.lease_id))
         if deadline is None:
             return
         local = eng.clock.to_local_deadline(LocalTime(now), deadline)
@@ -520,10 +522,11 @@ class Accessor:
         if self._tracked.get(t.key) is t:
             del self._tracked[t.key]
         eng = t.engine
-        if eng.leases.get(t.lease_id) is t:
-            del eng.leases[t.lease_id]
-            eng.deadlines.pop(t.lease_id, None)
-            eng.new_ids.discard(t.lease_id)
+        lkey = (t.incarnation, t.lease_id)
+        if eng.leases.get(lkey) is t:
+            del eng.leases[lkey]
+            eng.deadlines.pop(lkey, None)
+            eng.new_ids.discard(lkey)
 
     def _require(self, key: str, *states: TrackedState) -> _Tracked:
         t = self._tracked.get(key)

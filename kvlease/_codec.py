@@ -218,7 +218,8 @@ def encode(msg: Message) -> bytes:
             ]
         case _:
             raise EncodeError(f"not a kvlease message: {msg!r}")
-    return MAGIC + msgpack.packb([PROTOCOL_VERSION, *body], use_bin_type=True)
+    packed: bytes = msgpack.packb([PROTOCOL_VERSION, *body], use_bin_type=True)
+    return MAGIC + packed
 
 
 class _Fields:

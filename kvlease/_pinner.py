@@ -399,9 +399,8 @@ class Pinner:
             return AccessOutcome.STALE
         if lease.expected and expected != lease.expected:
             self.counters.rejected += 1
-            out.append(
-                Rejected(sender, f"access-done for lease {lease_id} expects {expected} ranks, granted with {lease.expected}")
-            )
+            why = f"access-done for lease {lease_id} expects {expected} ranks, granted with {lease.expected}"
+            out.append(Rejected(sender, why))
             return AccessOutcome.STALE
         lease.expected = expected
         done = (lease.done or frozenset()) | {rank}

@@ -18,7 +18,11 @@ __all__ = ["main"]
 #: subcommand name -> (module, attribute, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("kvlease.cli._demo", "demo", "Run the two-process loopback demo (P and D as real processes)."),
-    "conformance": ("kvlease.cli._conformance", "conformance", "Replay the conformance vectors against the core or an external driver."),
+    "conformance": (
+        "kvlease.cli._conformance",
+        "conformance",
+        "Replay the conformance vectors against the core or an external driver.",
+    ),
     "bench": ("kvlease.cli._bench", "bench", "Run the benchmarks in bench/ and print their tables."),
     "sim": ("kvlease.cli._sim", "sim", "Simulate a P/D cluster: policy comparison, plots, fault campaign."),
     "version": ("kvlease.cli._version", "version", "Print the kvlease and protocol versions."),
