@@ -1,0 +1,543 @@
+"""Public test helpers: drifting peer clocks, a lossy fake link, and a `Pair` harness.
+
+Owns: `PeerClock` (one simulated peer's monotonic clock: a random epoch and a drift rate within
+the configured bound), `FakeLink` (one direction between two endpoints that drops, delays,
+duplicates and reorders, and carries every message *as encoded bytes*, so the codec is on every
+hop), `Pair` (one `Pinner` and one `Accessor` joined by two fake links, with the side-channel
+handshake performed for the accessor), and the audit `Pair` runs after every step against
+ground truth kept in simulated real time: at most one free per lease, expiry never earlier,
+frees within their bounds, no completed access overlapping a free, the accessor never counting
+a lease valid after the pinner's real deadline, nothing after a terminal state. A broken
+invariant raises `InvariantViolation`.
+
+Must never read a clock or do I/O: "real time" here is a float the test advances by hand, and
+every random choice comes from the `random.Random` the caller passes in, so a seed replays a run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable
+from typing import assert_never
+
+import attrs
+
+from ._accessor import AccessDecision, Accessor, TrackedState
+from ._clock import LocalTime
+from ._codec import decode, encode
+from ._config import LeaseConfig
+from ._events import (
+    AccessCompleted,
+    AccessorOutput,
+    AccessStale,
+    EndReason,
+    Free,
+    HandshakeNeeded,
+    LeaseLost,
+    PinnerOutput,
+    Rejected,
+    Send,
+)
+from ._messages import Handshake, Heartbeat, LeaseKind, LeaseTicket, Message
+from ._pinner import LeaseState, Pinner
+
+__all__ = ["FakeLink", "InvariantViolation", "LeaseRecord", "LinkProfile", "Pair", "PeerClock"]
+
+#: How far past a deadline (in real seconds) the harness wakes an endpoint: the step
+#: granularity of a `Pair`. Far above float rounding at epochs of 2e5 s, far below any timing
+#: the protocol cares about.
+STEP_EPSILON = 1e-7
+#: Tolerance for comparing instants that went through clock conversions.
+TIME_TOLERANCE = 1e-6
+
+
+class InvariantViolation(AssertionError):
+    """A protocol invariant failed; the message names it and the numbers involved."""
+
+
+@attrs.frozen
+class PeerClock:
+    """One simulated peer's monotonic clock: ``local = epoch + rate * real``."""
+
+    epoch: float
+    rate: float
+
+    @classmethod
+    def random(
+        cls,
+        rng: random.Random,
+        max_drift_rate: float,
+        *,
+        epoch_range: tuple[float, float] = (1e4, 2e5),
+    ) -> PeerClock:
+        """A random epoch and a rate within the drift bound; the extremes of the bound are
+        drawn as often as the interior, since that is where conversions go wrong."""
+        pick = rng.randrange(3)
+        if pick == 0:
+            rate = 1.0 - max_drift_rate
+        elif pick == 1:
+            rate = 1.0 + max_drift_rate
+        else:
+            rate = 1.0 + rng.uniform(-max_drift_rate, max_drift_rate)
+        return cls(rng.uniform(*epoch_range), rate)
+
+    def local(self, real: float) -> LocalTime:
+        return LocalTime(self.epoch + self.rate * real)
+
+    def real(self, local: float) -> float:
+        return (local - self.epoch) / self.rate
+
+
+@attrs.frozen
+class LinkProfile:
+    """How a `FakeLink` mistreats messages. Delays are uniform in [min_delay, max_delay]
+    real seconds, drawn per message, so messages also reorder."""
+
+    min_delay: float = 0.0
+    max_delay: float = 0.0
+    drop: float = 0.0
+    duplicate: float = 0.0
+
+
+class FakeLink:
+    """One direction between two endpoints, carrying encoded bytes.
+
+    `send` encodes (and checks the size bound, if given); `deliver_due` decodes. While `up`
+    is False (a partition) everything sent is lost.
+    """
+
+    def __init__(
+        self, rng: random.Random, profile: LinkProfile | None = None, *, max_bytes: int | None = None
+    ) -> None:
+        self.rng = rng
+        self.profile = profile or LinkProfile()
+        self.max_bytes = max_bytes
+        self.up = True
+        self._queue: list[tuple[float, int, bytes]] = []
+        self._seq = 0
+        self.sent = 0
+        self.dropped = 0
+        self.delivered = 0
+        self.largest = 0
+
+    def send(self, real_now: float, message: Message) -> None:
+        data = encode(message)
+        self.sent += 1
+        self.largest = max(self.largest, len(data))
+        if self.max_bytes is not None and len(data) > self.max_bytes:
+            raise InvariantViolation(
+                f"{type(message).__name__} of {len(data)} bytes exceeds max_message_bytes={self.max_bytes}"
+            )
+        p = self.profile
+        if not self.up or (p.drop > 0.0 and self.rng.random() < p.drop):
+            self.dropped += 1
+            return
+        copies = 2 if p.duplicate > 0.0 and self.rng.random() < p.duplicate else 1
+        for _ in range(copies):
+            delay = self.rng.uniform(p.min_delay, p.max_delay) if p.max_delay > p.min_delay else p.min_delay
+            self._seq += 1
+            heapq.heappush(self._queue, (real_now + delay, self._seq, data))
+
+    def next_delivery(self) -> float | None:
+        return self._queue[0][0] if self._queue else None
+
+    def deliver_due(self, real_now: float) -> list[Message]:
+        out: list[Message] = []
+        while self._queue and self._queue[0][0] <= real_now:
+            _, _, data = heapq.heappop(self._queue)
+            self.delivered += 1
+            out.append(decode(data))
+        return out
+
+    def drop_in_flight(self) -> None:
+        self.dropped += len(self._queue)
+        self._queue.clear()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+
+@attrs.define
+class LeaseRecord:
+    """Ground truth about one lease, in real time and in the pinner's clock."""
+
+    lease_id: int
+    key: str
+    kind: LeaseKind
+    push: bool
+    grant_real: float
+    grant_p: float
+    duration: float
+    last_hb_p: float | None = None
+    last_expiry_p: float = float("-inf")
+    frees: list[tuple[float, Free]] = attrs.Factory(list)
+    #: (begin_real, end_real or None) of each access the accessor was allowed to start.
+    accesses: list[tuple[float, float | None]] = attrs.Factory(list)
+    accessor_events: list[AccessorOutput] = attrs.Factory(list)
+    accessor_terminal: bool = False
+    released_by_pinner: bool = False
+
+    @property
+    def free_real(self) -> float | None:
+        return self.frees[0][0] if self.frees else None
+
+
+class Pair:
+    """One pinner and one accessor joined by two `FakeLink`s, in simulated real time.
+
+    Operations act at the current real instant; `advance(dt)` moves time on, waking each
+    endpoint at its deadlines (converted through its own clock) and delivering messages as
+    they arrive. Every step is audited; see the module docstring.
+    """
+
+    def __init__(
+        self,
+        config: LeaseConfig,
+        rng: random.Random,
+        *,
+        accessor_config: LeaseConfig | None = None,
+        accessor_cls: Callable[..., Accessor] = Accessor,
+        pinner_clock: PeerClock | None = None,
+        accessor_clock: PeerClock | None = None,
+        to_pinner: LinkProfile | None = None,
+        to_accessor: LinkProfile | None = None,
+        pinner_engine: str = "prefill-0",
+        accessor_engine: str = "decode-0",
+        incarnation: int | None = None,
+    ) -> None:
+        self.config = config
+        self.rng = rng
+        self.pinner_clock = pinner_clock or PeerClock.random(rng, config.max_drift_rate)
+        self.accessor_clock = accessor_clock or PeerClock.random(rng, config.max_drift_rate)
+        self.real = 0.0
+        inc = rng.randrange(1, 1 << 64) if incarnation is None else incarnation
+        self.pinner = Pinner(config, pinner_engine, inc)
+        self.accessor = accessor_cls(accessor_config or config, accessor_engine)
+        limit = config.max_message_bytes
+        self.to_pinner = FakeLink(rng, to_pinner, max_bytes=limit)
+        self.to_accessor = FakeLink(rng, to_accessor, max_bytes=limit)
+        self.accessor_alive = True
+        self.leases: dict[int, LeaseRecord] = {}
+        self.by_key: dict[str, int] = {}
+        self.rejected: list[Rejected] = []
+        self.handshakes = 0
+        self._open_access: dict[str, float] = {}
+
+    # -- clocks -----------------------------------------------------------------------------
+
+    @property
+    def now_p(self) -> LocalTime:
+        return self.pinner_clock.local(self.real)
+
+    @property
+    def now_a(self) -> LocalTime:
+        return self.accessor_clock.local(self.real)
+
+    # -- operations -------------------------------------------------------------------------
+
+    def grant(
+        self, key: str, *, push: bool = False, kind: LeaseKind = LeaseKind.RENEWABLE, ttl: float | None = None
+    ) -> LeaseTicket:
+        if key in self.by_key:
+            raise ValueError(f"keys are never reused in a Pair: {key!r}")
+        now = self.now_p
+        ticket = self.pinner.grant(now, key, kind=kind, push=push, ttl=ttl)
+        if kind is LeaseKind.FIXED_TTL:
+            duration = self.config.decoder_kv_blocks_ttl if ttl is None else ttl
+        else:
+            duration = self.config.kv_lease_duration
+        self.leases[ticket.lease_id] = LeaseRecord(
+            ticket.lease_id, key, kind, push, self.real, now, duration, last_expiry_p=now + duration
+        )
+        self.by_key[key] = ticket.lease_id
+        # The ticket travels to the accessor as transfer parameters (JSON-like).
+        return LeaseTicket.from_dict(ticket.to_dict())
+
+    def track(self, key: str, ticket: LeaseTicket, *, push: bool = False) -> None:
+        self._accessor_outputs(self.accessor.track(self.now_a, key, ticket, push=push))
+
+    def grant_and_track(
+        self, key: str, *, push: bool = False, kind: LeaseKind = LeaseKind.RENEWABLE, ttl: float | None = None
+    ) -> int:
+        ticket = self.grant(key, push=push, kind=kind, ttl=ttl)
+        if self.accessor_alive:
+            self.track(key, ticket, push=push)
+        return ticket.lease_id
+
+    def begin_access(self, key: str) -> AccessDecision:
+        decision = self.accessor.begin_access(self.now_a, key)
+        if decision.allowed:
+            self._open_access[key] = self.real
+            self.record(key).accesses.append((self.real, None))
+        return decision
+
+    def finish_access(self, key: str) -> None:
+        rec = self.record(key)
+        begin = self._open_access.pop(key)
+        rec.accesses[-1] = (begin, self.real)
+        self._check_push_write(rec, begin, self.real)
+        self._accessor_outputs(self.accessor.access_finished(self.now_a, key))
+
+    def fail_access(self, key: str) -> None:
+        rec = self.record(key)
+        begin = self._open_access.pop(key)
+        rec.accesses[-1] = (begin, self.real)
+        self._check_push_write(rec, begin, self.real)
+        self._accessor_outputs(self.accessor.access_failed(self.now_a, key))
+
+    def untrack(self, key: str) -> None:
+        self._accessor_outputs(self.accessor.untrack(self.now_a, key))
+
+    def pinner_release(self, key: str) -> None:
+        rec = self.record(key)
+        rec.released_by_pinner = True
+        self._pinner_outputs(self.pinner.release(self.now_p, rec.lease_id))
+
+    def kill_accessor(self) -> None:
+        """The accessor process dies: it never sends, receives or wakes again. Its writes in
+        flight are taken to end now (they cannot outlive the process's queue pair)."""
+        self.accessor_alive = False
+        for key, begin in list(self._open_access.items()):
+            rec = self.record(key)
+            rec.accesses[-1] = (begin, self.real)
+            self._check_push_write(rec, begin, self.real)
+        self._open_access.clear()
+
+    def partition(self, *, drop_in_flight: bool = True) -> None:
+        self.to_pinner.up = self.to_accessor.up = False
+        if drop_in_flight:
+            self.to_pinner.drop_in_flight()
+            self.to_accessor.drop_in_flight()
+
+    def heal(self) -> None:
+        self.to_pinner.up = self.to_accessor.up = True
+
+    def set_profiles(self, to_pinner: LinkProfile, to_accessor: LinkProfile) -> None:
+        self.to_pinner.profile = to_pinner
+        self.to_accessor.profile = to_accessor
+
+    def record(self, key: str) -> LeaseRecord:
+        return self.leases[self.by_key[key]]
+
+    def accessing(self) -> list[str]:
+        return list(self._open_access)
+
+    # -- time -------------------------------------------------------------------------------
+
+    def advance(self, dt: float) -> None:
+        """Move real time on by `dt`, handling every deadline and delivery on the way."""
+        if dt < 0.0:
+            raise ValueError("real time never runs backwards")
+        target = self.real + dt
+        for _ in range(1_000_000):
+            t = self._next_event()
+            if t is None or t > target:
+                break
+            self._step(max(t, self.real))
+        else:
+            raise InvariantViolation("busy loop: a deadline never moved past now")
+        self._step(target)
+
+    def _next_event(self) -> float | None:
+        cands: list[float] = []
+        nd = self.pinner.next_deadline()
+        if nd is not None:
+            cands.append(self.pinner_clock.real(nd) + STEP_EPSILON)
+        if self.accessor_alive:
+            nd = self.accessor.next_deadline()
+            if nd is not None:
+                cands.append(self.accessor_clock.real(nd) + STEP_EPSILON)
+        for link in (self.to_pinner, self.to_accessor):
+            t = link.next_delivery()
+            if t is not None:
+                cands.append(t)
+        return min(cands) if cands else None
+
+    def _step(self, real: float) -> None:
+        self.real = real
+        now_p = self.now_p
+        nd = self.pinner.next_deadline()
+        if nd is not None and nd <= now_p:
+            self._pinner_outputs(self.pinner.handle_timeout(now_p))
+            after = self.pinner.next_deadline()
+            if after is not None and after <= now_p:
+                raise InvariantViolation(f"pinner next_deadline {after} <= now {now_p} after handle_timeout")
+        for msg in self.to_pinner.deliver_due(real):
+            if isinstance(msg, Heartbeat) and msg.incarnation == self.pinner.incarnation:
+                for lid in msg.lease_ids:
+                    info = self.pinner.info(lid)
+                    rec = self.leases.get(lid)
+                    if info is not None and info.state is LeaseState.ACTIVE and rec is not None:
+                        rec.last_hb_p = now_p
+            self._pinner_outputs(self.pinner.receive(now_p, msg))
+        for msg in self.to_accessor.deliver_due(real):
+            if self.accessor_alive:
+                self._accessor_outputs(self.accessor.receive(self.now_a, msg))
+        if self.accessor_alive:
+            now_a = self.now_a
+            nd = self.accessor.next_deadline()
+            if nd is not None and nd <= now_a:
+                self._accessor_outputs(self.accessor.handle_timeout(now_a))
+                after = self.accessor.next_deadline()
+                if after is not None and after <= now_a:
+                    raise InvariantViolation(
+                        f"accessor next_deadline {after} <= now {now_a} after handle_timeout"
+                    )
+        self.check()
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def _pinner_outputs(self, outputs: tuple[PinnerOutput, ...]) -> None:
+        for o in outputs:
+            match o:
+                case Send():
+                    self.to_accessor.send(self.real, o.message)
+                case Free():
+                    self._on_free(o)
+                case Rejected():
+                    self.rejected.append(o)
+                case _:
+                    assert_never(o)
+
+    def _accessor_outputs(self, outputs: tuple[AccessorOutput, ...]) -> None:
+        for o in outputs:
+            match o:
+                case Send():
+                    if self.accessor_alive:
+                        self.to_pinner.send(self.real, o.message)
+                case HandshakeNeeded():
+                    self._handshake(o.message)
+                case LeaseLost() | AccessCompleted() | AccessStale():
+                    self._on_accessor_event(o)
+                case Rejected():
+                    self.rejected.append(o)
+                case _:
+                    assert_never(o)
+
+    def _handshake(self, hs: Handshake) -> None:
+        """The side-channel round trip, at this instant, through the codec. It fails like the
+        link does (partition, drops); the accessor retries on its own schedule."""
+        if not self.accessor_alive or not (self.to_pinner.up and self.to_accessor.up):
+            return
+        for link in (self.to_pinner, self.to_accessor):
+            if link.profile.drop > 0.0 and self.rng.random() < link.profile.drop:
+                return
+        hs_wire = decode(encode(hs))
+        assert isinstance(hs_wire, Handshake)
+        reply = decode(encode(self.pinner.handshake_reply(self.now_p, hs_wire)))
+        self.handshakes += 1
+        self._accessor_outputs(self.accessor.receive(self.now_a, reply))
+
+    # -- audit ------------------------------------------------------------------------------
+
+    def _on_free(self, free: Free) -> None:
+        rec = self.leases.get(free.lease_id)
+        if rec is None:
+            raise InvariantViolation(f"Free for a lease never granted: {free!r}")
+        if rec.frees:
+            raise InvariantViolation(f"second Free for lease {free.lease_id}: {rec.frees[0][1]!r} then {free!r}")
+        if free.key != rec.key:
+            raise InvariantViolation(f"Free names key {free.key!r}, lease was granted for {rec.key!r}")
+        rec.frees.append((self.real, free))
+        if free.reason is EndReason.EXPIRED:
+            cfg = self.config
+            guard = cfg.push_guard if rec.push else 0.0
+            at = float(free.at)
+            earliest = rec.grant_p + rec.duration + guard
+            if rec.kind is LeaseKind.RENEWABLE and rec.last_hb_p is not None:
+                earliest = max(earliest, rec.last_hb_p + cfg.lease_extension + guard)
+            # Early frees break the pinner's promise; late ones leak memory. The harness wakes
+            # the pinner STEP_EPSILON after its deadline, so nothing beyond that is excused.
+            if at < earliest - TIME_TOLERANCE:
+                raise InvariantViolation(f"lease {rec.lease_id} freed at {at}, before its expiry {earliest}")
+            if at > earliest + TIME_TOLERANCE:
+                raise InvariantViolation(
+                    f"lease {rec.lease_id} freed at {at}, {at - earliest:.6g} s after its bound {earliest}"
+                )
+        for begin, end in rec.accesses:
+            if rec.push and end is None and begin <= self.real and not rec.released_by_pinner:
+                # A write in flight when its memory is freed. (Checked at its end too.)
+                raise InvariantViolation(f"push lease {rec.lease_id} freed with a write in flight")
+
+    def _check_push_write(self, rec: LeaseRecord, begin: float, end: float) -> None:
+        free = rec.free_real
+        if rec.push and free is not None and free < end and not rec.released_by_pinner:
+            raise InvariantViolation(
+                f"push write into lease {rec.lease_id} ran [{begin}, {end}] past its free at {free}"
+            )
+
+    def _on_accessor_event(self, ev: LeaseLost | AccessCompleted | AccessStale) -> None:
+        lid = self.by_key.get(ev.key)
+        if lid is None or lid != ev.lease_id:
+            raise InvariantViolation(f"accessor event for an unknown lease: {ev!r}")
+        rec = self.leases[lid]
+        if rec.accessor_terminal:
+            raise InvariantViolation(
+                f"accessor event after a terminal one for {ev.key!r}: {rec.accessor_events} then {ev!r}"
+            )
+        lost_in_access = any(isinstance(e, LeaseLost) for e in rec.accessor_events)
+        if lost_in_access and not isinstance(ev, AccessStale):
+            raise InvariantViolation(f"lease {lid} was lost during its access but then reported {ev!r}")
+        rec.accessor_events.append(ev)
+        in_access = ev.key in self._open_access
+        rec.accessor_terminal = not (isinstance(ev, LeaseLost) and in_access)
+        if isinstance(ev, AccessCompleted):
+            end = rec.accesses[-1][1] if rec.accesses else None
+            if end is None:
+                raise InvariantViolation(f"AccessCompleted for {ev.key!r} with no finished access")
+            free = rec.free_real
+            if free is not None and free < end - TIME_TOLERANCE:
+                raise InvariantViolation(
+                    f"stale access reported done: lease {lid} freed at real {free} "
+                    f"({rec.frees[0][1].reason.value}), access ended at {end}"
+                )
+
+    def check(self) -> None:
+        """Audit the state at this instant (also run after every step of `advance`)."""
+        pinner = self.pinner
+        nd = pinner.next_deadline()
+        for lid in pinner.live_ids():
+            info = pinner.info(lid)
+            assert info is not None
+            rec = self.leases[lid]
+            if rec.frees:
+                raise InvariantViolation(f"lease {lid} is live after its Free")
+            if nd is None or nd > info.expiry:
+                raise InvariantViolation(f"pinner next_deadline {nd} is later than lease {lid}'s expiry {info.expiry}")
+            if info.state is LeaseState.ACTIVE:
+                if info.expiry < rec.last_expiry_p:
+                    raise InvariantViolation(
+                        f"lease {lid} expiry moved earlier: {rec.last_expiry_p} -> {info.expiry}"
+                    )
+                rec.last_expiry_p = info.expiry
+        if not self.accessor_alive:
+            return
+        for key, lid in self.by_key.items():
+            v = self.accessor.valid_until(key)
+            if v is None:
+                continue
+            rec = self.leases[lid]
+            v_real = self.accessor_clock.real(v)
+            info = pinner.info(lid)
+            if info is not None:
+                limit = self.pinner_clock.real(rec.last_expiry_p)
+            elif rec.frees and rec.frees[0][1].reason is EndReason.EXPIRED:
+                limit = rec.frees[0][0]
+            else:
+                continue  # ended by the accessor's own doing (access done, release)
+            if rec.released_by_pinner:
+                continue
+            if v_real > limit + TIME_TOLERANCE:
+                raise InvariantViolation(
+                    f"accessor counts lease {lid} valid until real {v_real}, beyond the pinner's "
+                    f"deadline {limit} by {v_real - limit:.6g} s"
+                )
+            state = self.accessor.state_of(key)
+            if state is TrackedState.WAITING:
+                and_nd = self.accessor.next_deadline()
+                if and_nd is None or and_nd > v:
+                    raise InvariantViolation(
+                        f"accessor next_deadline {and_nd} is later than {key!r}'s validity {v}"
+                    )
