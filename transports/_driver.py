@@ -1,0 +1,628 @@
+"""`Driver`: the one thin shell that pumps the kvlease core over a `Transport`.
+
+The driver owns the clock (an injected ``clock`` callable, `time.monotonic` by default; it is
+the only place in kvlease that reads one), feeds what the transport received into the core's
+`Pinner` and/or `Accessor` (a worker may be both), dispatches the core's outputs (sends to the
+transport; frees, losses, completions, stale accesses and rejections to the engine) and re-arms
+from the cores' ``next_deadline()``. It contains no protocol logic: every decision about a lease
+is the core's. It must never block, never raise into the engine loop because of what a peer
+sent, and never let one lease's or one peer's trouble affect another.
+
+Two ways to drive it:
+
+1. **From an engine's forward loop**: call `step()` once per iteration. It drains the side
+   channel and the transport, completes transfers, runs the cores' timers, checks peer liveness
+   and calls the transport's `progress()`; it returns the engine-facing events of that step
+   (plus those produced by calls such as `grant`/`track` since the previous step). No thread.
+2. **As an asyncio service** (`await driver.run(stop)`), for standalone processes: the same
+   step on a timer, sleeping until the next deadline or `poll_interval`, whichever is first.
+   Events go to the ``on_event`` callback.
+
+Input from the wire is judged here: undecodable bytes (`DecodeError`), messages the core finds
+protocol-breaking (`RemoteProtocolError`) and `Rejected` outputs are counted in `TransportStats`,
+logged at WARNING at most once per peer per ``log_interval``, and dropped.
+
+Peer liveness (hints only; safety never rests on it): a send that raises `PeerUnreachable`, a
+failed handshake, or traffic sent to an engine that stays unanswered marks it *suspect*
+(`PeerSuspect`, once per streak). An engine that stays silent for ``engine_ttl`` after that is
+declared dead: `Accessor.disconnect` reports its remaining leases lost, the transport forgets it
+(`PeerDead`), and a later handshake (e.g. after a restart with a new incarnation) brings it
+back. Transfers that overrun ``transfer_timeout`` are cancelled and reported `TransferFailed`,
+so an access to a dead pinner can never hang the engine.
+
+The access-done message is sent by the driver through `Transport.send` right after the
+transport reports the transfer complete (the data has landed), with the flag the core chose at
+that moment; no notification is attached to the transfer itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import assert_never
+
+import attrs
+
+from kvlease import (
+    PROTOCOL_VERSION,
+    AccessCompleted,
+    AccessDecision,
+    AccessDone,
+    AccessDoneAck,
+    Accessor,
+    AccessStale,
+    Capability,
+    DecodeError,
+    EndReason,
+    Free,
+    Handshake,
+    HandshakeNeeded,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatAck,
+    LeaseKind,
+    LeaseLost,
+    LeaseTicket,
+    LocalTime,
+    Message,
+    Output,
+    Pinner,
+    ProtocolError,
+    Rejected,
+    Release,
+    Send,
+    VllmAccessDone,
+    VllmHeartbeat,
+    decode,
+    decode_vllm,
+    encode,
+    is_native_frame,
+)
+
+from ._base import (
+    HandshakeFailed,
+    HandshakeRequest,
+    HandshakeResponse,
+    Inbound,
+    PeerDead,
+    PeerSuspect,
+    PeerUnreachable,
+    TransferFailed,
+    Transport,
+)
+from ._stats import TransportStats
+
+__all__ = ["Driver", "DriverEvent"]
+
+logger = logging.getLogger("kvlease.transports")
+
+#: What `step()` hands to the engine.
+DriverEvent = Free | LeaseLost | AccessCompleted | AccessStale | Rejected | PeerSuspect | PeerDead | TransferFailed
+
+_LOG_PEERS_MAX = 1024  # bound on the per-peer log limiter (hostile peers invent names)
+
+
+@attrs.define
+class _Access:
+    key: str
+    engine_id: str
+    handles: set[int]
+    started: float
+    nbytes: int = 0
+    failed: str = ""
+
+
+@attrs.define
+class _Peer:
+    #: Since when something we sent (or failed to send) to this engine is unanswered.
+    unanswered_since: float | None = None
+    reported: bool = False
+
+    def heard(self) -> None:
+        self.unanswered_since = None
+        self.reported = False
+
+    def sent(self, now: float) -> None:
+        if self.unanswered_since is None:
+            self.unanswered_since = now
+
+
+class Driver:
+    """Pumps a `Pinner` and/or an `Accessor` of one engine worker over one `Transport`."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        pinner: Pinner | None = None,
+        accessor: Accessor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        engine_ttl: float | None = None,
+        transfer_timeout: float | None = None,
+        vllm_compat: bool = False,
+        stats: TransportStats | None = None,
+        log_interval: float = 10.0,
+        on_event: Callable[[DriverEvent], None] | None = None,
+    ) -> None:
+        if pinner is None and accessor is None:
+            raise ValueError("a driver needs a pinner, an accessor, or both")
+        config = (pinner or accessor).config  # type: ignore[union-attr]
+        self.transport = transport
+        self.pinner = pinner
+        self.accessor = accessor
+        self.config = config
+        self.stats = stats if stats is not None else TransportStats()
+        self._clock = clock
+        #: Longer than the extension plus an interval, so the core reports a dead pinner's
+        #: leases lost (validity lapsed) before the driver tears the peer down.
+        self.engine_ttl = config.kv_lease_duration if engine_ttl is None else engine_ttl
+        self.transfer_timeout = (
+            config.access_time_local + config.heartbeat_interval if transfer_timeout is None else transfer_timeout
+        )
+        self.vllm_compat = vllm_compat
+        self.log_interval = log_interval
+        self.on_event = on_event
+        self._pending: list[DriverEvent] = []
+        self._addresses: dict[str, str] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._track_engine: dict[str, str] = {}  # accessor key -> pinner engine
+        self._accesses: dict[str, _Access] = {}
+        self._handles: dict[int, str] = {}  # transfer handle -> key
+        self._pinned: dict[int, int] = {}  # lease id -> bytes
+        self._log_last: dict[str, float] = {}
+        self._log_suppressed: dict[str, int] = {}
+        self._renewed_seen = 0
+        self._missing_seen = 0
+        self._last_now = float("-inf")
+
+    # -- time -------------------------------------------------------------------------------
+
+    def now(self) -> LocalTime:
+        """The injected clock, clamped so the cores never see time run backwards."""
+        t = self._clock()
+        if t < self._last_now:
+            t = self._last_now
+        self._last_now = t
+        return LocalTime(t)
+
+    def next_deadline(self) -> LocalTime | None:
+        """The earliest instant at which `step` has timer work (inbound frames aside)."""
+        best = float("inf")
+        for core in (self.pinner, self.accessor):
+            if core is not None:
+                d = core.next_deadline()
+                if d is not None and d < best:
+                    best = d
+        if self._accesses:
+            best = min(best, min(a.started for a in self._accesses.values()) + self.transfer_timeout)
+        return None if best == float("inf") else LocalTime(best)
+
+    # -- pinner side ------------------------------------------------------------------------
+
+    def grant(
+        self,
+        key: str,
+        *,
+        nbytes: int = 0,
+        push: bool = False,
+        kind: LeaseKind = LeaseKind.RENEWABLE,
+        expected: int | None = None,
+        ttl: float | None = None,
+        lease_id: int | None = None,
+    ) -> LeaseTicket:
+        """Pin `key`'s memory (`nbytes`, for the bytes-pinned gauge) under a new lease."""
+        pinner = self._need_pinner()
+        ticket = pinner.grant(self.now(), key, kind=kind, push=push, expected=expected, ttl=ttl, lease_id=lease_id)
+        self.stats.leases_granted += 1
+        if nbytes:
+            self._pinned[ticket.lease_id] = nbytes
+            self.stats.bytes_pinned += nbytes
+        return ticket
+
+    def release(self, lease_id: int) -> None:
+        """The local engine aborts a request it pinned; its `Free` comes out of `step`."""
+        pinner = self._need_pinner()
+        now = self.now()
+        self._dispatch(now, pinner.release(now, lease_id))
+
+    # -- accessor side ----------------------------------------------------------------------
+
+    def add_peer(self, engine_id: str, address: str) -> None:
+        """Where `engine_id`'s side channel (rank 0) listens."""
+        self._addresses[engine_id] = address
+
+    def connect(self, engine_id: str, address: str) -> None:
+        """Proactive handshake with a pinner engine before any request names it, so the first
+        heartbeat and transfer do not wait for it (the side channel may run in background)."""
+        accessor = self._need_accessor()
+        self._addresses[engine_id] = address
+        if accessor.is_connected(engine_id):
+            return
+        now = self.now()
+        hs = Handshake(
+            accessor.engine_id, accessor.rank, accessor.ranks, PROTOCOL_VERSION,
+            int(Capability.HEARTBEAT_ACK | Capability.PUSH | Capability.CONFIRM_ACCESS), now,
+        )
+        self._request_handshake(now, engine_id, hs)
+
+    def track(self, key: str, ticket: LeaseTicket, *, address: str | None = None, push: bool = False) -> None:
+        """Start heartbeating for a request the moment it enters the scheduler. `address` is
+        the pinner engine's side channel (needed once per engine)."""
+        accessor = self._need_accessor()
+        if address is not None:
+            self._addresses[ticket.engine_id] = address
+        now = self.now()
+        outs = accessor.track(now, key, ticket, push=push)
+        self._track_engine[key] = ticket.engine_id
+        self._dispatch(now, outs)
+
+    def untrack(self, key: str) -> None:
+        """The request finished or was aborted before its access; the pinner may free."""
+        accessor = self._need_accessor()
+        now = self.now()
+        self._track_engine.pop(key, None)
+        self._dispatch(now, accessor.untrack(now, key))
+
+    def read(self, key: str, region: str, into: object, *, rank: int = 0) -> AccessDecision:
+        """Pull: READ the pinner's `region` (worker `rank`) into `into`, if the core allows."""
+        return self.read_parts(key, [(rank, region, into)])
+
+    def write(self, key: str, region: str, src: object, *, rank: int = 0) -> AccessDecision:
+        """Push: WRITE `src` into the pinner's `region` (worker `rank`), if the core allows."""
+        return self._access(key, [(rank, region, src)], write=True)
+
+    def read_parts(self, key: str, parts: Sequence[tuple[int, str, object]]) -> AccessDecision:
+        """One access made of several READs (heterogeneous TP: one per pinner worker)."""
+        return self._access(key, parts, write=False)
+
+    def _access(self, key: str, parts: Sequence[tuple[int, str, object]], *, write: bool) -> AccessDecision:
+        accessor = self._need_accessor()
+        if key in self._accesses:
+            return AccessDecision(False, False, None, "an access is already in flight")
+        engine_id = self._track_engine.get(key)
+        now = self.now()
+        decision = accessor.begin_access(now, key)
+        if not decision.allowed or engine_id is None:
+            return decision
+        acc = _Access(key, engine_id, set(), now)
+        self._accesses[key] = acc
+        for rank, region, buf in parts:
+            try:
+                if write:
+                    h = self.transport.start_write(engine_id, rank, region, buf, None)
+                else:
+                    h = self.transport.start_read(engine_id, rank, region, buf, None)
+            except PeerUnreachable as exc:
+                self._suspect(now, exc.engine_id, exc.rank, exc.reason)
+                acc.failed = exc.reason
+                continue
+            except Exception as exc:  # a transport bug or bad buffer must not wedge the lease
+                acc.failed = f"{type(exc).__name__}: {exc}"
+                continue
+            acc.handles.add(h)
+            self._handles[h] = key
+            self._peer(engine_id).sent(now)
+        if not acc.handles:
+            self._finish_access(now, acc)
+        return decision
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[DriverEvent]:
+        """One non-blocking round: side channel, inbound, transfers, timers, liveness,
+        progress. Returns the events for the engine (also passed to ``on_event``)."""
+        now = self.now()
+        tr = self.transport
+        for hev in tr.poll_handshakes():
+            match hev:
+                case HandshakeRequest():
+                    self._answer_handshake(now, hev)
+                case HandshakeResponse():
+                    self._peer(hev.engine_id).heard()
+                    self._on_frame(now, hev.engine_id, hev.data)
+                case HandshakeFailed():
+                    self._suspect(now, hev.engine_id, 0, f"handshake failed: {hev.reason}")
+                case _:
+                    assert_never(hev)
+        for inbound in tr.receive():
+            self._on_inbound(now, inbound)
+        self._poll_transfers(now)
+        if self.pinner is not None:
+            d = self.pinner.next_deadline()
+            if d is not None and d <= now:
+                self._dispatch(now, self.pinner.handle_timeout(now))
+            c = self.pinner.counters
+            if c.renewed != self._renewed_seen or c.heartbeat_ids_missing != self._missing_seen:
+                self.stats.leases_renewed += c.renewed - self._renewed_seen
+                self.stats.heartbeats_rejected += c.heartbeat_ids_missing - self._missing_seen
+                self._renewed_seen, self._missing_seen = c.renewed, c.heartbeat_ids_missing
+        if self.accessor is not None:
+            d = self.accessor.next_deadline()
+            if d is not None and d <= now:
+                self._dispatch(now, self.accessor.handle_timeout(now))
+        if self._peers:
+            self._check_liveness(now)
+        tr.progress()
+        events, self._pending = self._pending, []
+        if self.on_event is not None:
+            for ev in events:
+                self.on_event(ev)
+        return events
+
+    async def run(self, stop: asyncio.Event | None = None, *, poll_interval: float = 0.001) -> None:
+        """Serve until `stop` is set: step, then sleep until the next deadline or
+        `poll_interval` (inbound frames are picked up at that cadence)."""
+        while stop is None or not stop.is_set():
+            self.step()
+            delay = poll_interval
+            d = self.next_deadline()
+            if d is not None:
+                delay = max(0.0, min(delay, d - self.now()))
+            await asyncio.sleep(delay)
+
+    serve_forever = run
+
+    def close(self) -> None:
+        self.transport.close()
+
+    # -- inbound ----------------------------------------------------------------------------
+
+    def _on_inbound(self, now: LocalTime, inbound: Inbound) -> None:
+        self._peer(inbound.engine_id).heard()
+        self._on_frame(now, inbound.engine_id, inbound.data)
+
+    def _on_frame(self, now: LocalTime, peer: str, data: bytes) -> None:
+        if is_native_frame(data):
+            try:
+                msg = decode(data)
+            except DecodeError as exc:
+                self._malformed(now, peer, str(exc))
+                return
+            self._on_message(now, peer, msg)
+        elif self.vllm_compat and self.pinner is not None:
+            self._on_vllm(now, peer, data)
+        else:
+            self._malformed(now, peer, f"not a kvlease frame ({len(data)} bytes, starts {data[:8]!r})")
+
+    def _on_message(self, now: LocalTime, peer: str, msg: Message) -> None:
+        try:
+            match msg:
+                case Heartbeat() | AccessDone() | Release() | Handshake():
+                    if self.pinner is None:
+                        self._malformed(now, peer, f"{type(msg).__name__} sent to an engine with no pinner")
+                        return
+                    if isinstance(msg, Heartbeat):
+                        self.stats.heartbeats_received += 1
+                    outs: tuple[Output, ...] = self.pinner.receive(now, msg)
+                case HeartbeatAck() | AccessDoneAck() | HandshakeReply():
+                    if self.accessor is None:
+                        self._malformed(now, peer, f"{type(msg).__name__} sent to an engine with no accessor")
+                        return
+                    if isinstance(msg, HeartbeatAck):
+                        self.stats.heartbeat_acks_received += 1
+                        if msg.rank == 0 and msg.t_echo <= now:
+                            # Only a round trip of a heartbeat we sent; a forged echo skews
+                            # the figure but never the protocol (the core checks the echo).
+                            self.stats.record_rtt(now - msg.t_echo)
+                    outs = self.accessor.receive(now, msg)
+                case _:
+                    assert_never(msg)
+        except ProtocolError as exc:
+            self._malformed(now, peer, f"{type(exc).__name__}: {exc}")
+            return
+        self._dispatch(now, outs)
+
+    def _on_vllm(self, now: LocalTime, peer: str, data: bytes) -> None:
+        assert self.pinner is not None
+        try:
+            note = decode_vllm(data)
+            match note:
+                case VllmHeartbeat():
+                    self.stats.heartbeats_received += 1
+                    self.pinner.receive_vllm_heartbeat(now, note.request_ids)
+                case VllmAccessDone():
+                    self._dispatch(now, self.pinner.receive_vllm_done(now, note.request_id, note.count))
+                case _:
+                    assert_never(note)
+        except (DecodeError, ProtocolError) as exc:
+            self._malformed(now, peer, str(exc))
+
+    def _answer_handshake(self, now: LocalTime, req: HandshakeRequest) -> None:
+        if self.pinner is None:
+            self._malformed(now, "?", "handshake request to an engine with no pinner")
+            return
+        try:
+            hs = decode(req.data)
+        except DecodeError as exc:
+            self._malformed(now, "?", f"handshake: {exc}")
+            return
+        if not isinstance(hs, Handshake):
+            self._malformed(now, "?", f"side channel carried a {type(hs).__name__}, expected a Handshake")
+            return
+        self._peer(hs.engine_id).heard()
+        reply = self.pinner.handshake_reply(now, hs)
+        try:
+            self.transport.answer_handshake(req.token, encode(reply))
+        except PeerUnreachable as exc:
+            self._suspect(now, hs.engine_id, hs.rank, exc.reason)
+            return
+        self.stats.handshakes_answered += 1
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def _dispatch(self, now: LocalTime, outputs: tuple[Output, ...]) -> None:
+        stats = self.stats
+        for out in outputs:
+            match out:
+                case Send():
+                    msg = out.message
+                    if isinstance(msg, Heartbeat):
+                        stats.heartbeats_sent += 1
+                    replies = isinstance(msg, HeartbeatAck | AccessDoneAck)
+                    self._send(now, out.engine_id, out.rank, encode(msg), expect_reply=not replies)
+                case Free():
+                    if out.reason is EndReason.EXPIRED:
+                        stats.leases_expired += 1
+                    elif out.reason is EndReason.RELEASED:
+                        stats.leases_released += 1
+                    else:
+                        stats.leases_completed += 1
+                    stats.bytes_pinned -= self._pinned.pop(out.lease_id, 0)
+                    self._pending.append(out)
+                case HandshakeNeeded():
+                    self._request_handshake(now, out.engine_id, out.message)
+                case LeaseLost():
+                    stats.leases_lost += 1
+                    self._track_engine.pop(out.key, None)
+                    self._pending.append(out)
+                case AccessCompleted():
+                    stats.accesses_completed += 1
+                    self._track_engine.pop(out.key, None)
+                    self._pending.append(out)
+                case AccessStale():
+                    stats.stale_reads_caught += 1
+                    self._track_engine.pop(out.key, None)
+                    self._pending.append(out)
+                case Rejected():
+                    stats.rejected_messages += 1
+                    self._log(now, out.engine_id, f"rejected: {out.reason}")
+                    self._pending.append(out)
+                case _:
+                    assert_never(out)
+
+    def _send(self, now: LocalTime, engine_id: str, rank: int | None, data: bytes, *, expect_reply: bool) -> None:
+        try:
+            self.transport.send(engine_id, rank, data)
+        except PeerUnreachable as exc:
+            self._suspect(now, engine_id, rank, exc.reason)
+            return
+        if expect_reply:
+            self._peer(engine_id).sent(now)
+
+    def _request_handshake(self, now: LocalTime, engine_id: str, hs: Handshake) -> None:
+        address = self._addresses.get(engine_id)
+        if address is None:
+            self._suspect(now, engine_id, 0, "no side-channel address known (pass address= to track)")
+            return
+        try:
+            self.transport.request_handshake(engine_id, address, encode(hs))
+        except PeerUnreachable as exc:
+            self._suspect(now, engine_id, 0, exc.reason)
+            return
+        self.stats.handshakes_sent += 1
+        self._peer(engine_id).sent(now)
+
+    # -- transfers --------------------------------------------------------------------------
+
+    def _poll_transfers(self, now: LocalTime) -> None:
+        for res in self.transport.poll_transfers():
+            key = self._handles.pop(res.handle, None)
+            acc = None if key is None else self._accesses.get(key)
+            if acc is None:
+                continue  # cancelled or unknown
+            acc.handles.discard(res.handle)
+            if res.ok:
+                self.stats.transfers_ok += 1
+                self.stats.bytes_transferred += res.nbytes
+                self._peer(acc.engine_id).heard()
+            else:
+                self.stats.transfers_failed += 1
+                acc.failed = acc.failed or res.error or "transfer failed"
+            if not acc.handles:
+                self._finish_access(now, acc)
+        if self._accesses:
+            for acc in list(self._accesses.values()):
+                if now - acc.started >= self.transfer_timeout:
+                    for h in acc.handles:
+                        self.transport.cancel_transfer(h)
+                        self._handles.pop(h, None)
+                    acc.handles.clear()
+                    acc.failed = acc.failed or f"transfer did not finish within {self.transfer_timeout:.3g} s"
+                    self.stats.transfers_failed += 1
+                    self._finish_access(now, acc)
+
+    def _finish_access(self, now: LocalTime, acc: _Access) -> None:
+        assert self.accessor is not None
+        del self._accesses[acc.key]
+        if acc.failed:
+            self._dispatch(now, self.accessor.access_failed(now, acc.key))
+            self._pending.append(TransferFailed(acc.key, acc.failed))
+        else:
+            self._dispatch(now, self.accessor.access_finished(now, acc.key))
+
+    # -- liveness ---------------------------------------------------------------------------
+
+    def _peer(self, engine_id: str) -> _Peer:
+        p = self._peers.get(engine_id)
+        if p is None:
+            if len(self._peers) >= _LOG_PEERS_MAX * 4:
+                # Bound the table against invented names: drop peers that are healthy.
+                for k in [k for k, v in self._peers.items() if v.unanswered_since is None][: _LOG_PEERS_MAX]:
+                    del self._peers[k]
+            p = self._peers[engine_id] = _Peer()
+        return p
+
+    def _suspect(self, now: LocalTime, engine_id: str, rank: int | None, reason: str) -> None:
+        self.stats.peer_send_failures += 1
+        p = self._peer(engine_id)
+        p.sent(now)
+        if not p.reported:
+            p.reported = True
+            self._log(now, engine_id, f"peer unreachable: {reason}")
+            self._pending.append(PeerSuspect(engine_id, rank, reason))
+
+    def _check_liveness(self, now: LocalTime) -> None:
+        ttl = self.engine_ttl
+        dead = [
+            e for e, p in self._peers.items()
+            if p.unanswered_since is not None and now - p.unanswered_since >= ttl
+        ]
+        for engine_id in dead:
+            del self._peers[engine_id]
+            self.stats.peers_dead += 1
+            self._log(now, engine_id, f"peer silent for {ttl:.3g} s: disconnected")
+            for acc in list(self._accesses.values()):
+                if acc.engine_id == engine_id:
+                    for h in acc.handles:
+                        self.transport.cancel_transfer(h)
+                        self._handles.pop(h, None)
+                    acc.handles.clear()
+                    acc.failed = "peer declared dead"
+                    self._finish_access(now, acc)
+            if self.accessor is not None:
+                self._dispatch(now, self.accessor.disconnect(now, engine_id))
+            self.transport.forget_peer(engine_id)
+            self._pending.append(PeerDead(engine_id))
+
+    # -- judging input ----------------------------------------------------------------------
+
+    def _malformed(self, now: LocalTime, peer: str, what: str) -> None:
+        self.stats.malformed_messages += 1
+        self._log(now, peer, f"dropped malformed input: {what}")
+
+    def _log(self, now: LocalTime, peer: str, what: str) -> None:
+        last = self._log_last.get(peer)
+        if last is not None and now - last < self.log_interval:
+            self._log_suppressed[peer] = self._log_suppressed.get(peer, 0) + 1
+            return
+        if len(self._log_last) >= _LOG_PEERS_MAX:
+            self._log_last.clear()
+            self._log_suppressed.clear()
+        self._log_last[peer] = now
+        more = self._log_suppressed.pop(peer, 0)
+        suffix = f" (+{more} similar suppressed)" if more else ""
+        logger.warning("kvlease peer %r: %.300s%s", peer, what, suffix)
+
+    # -- misuse -----------------------------------------------------------------------------
+
+    def _need_pinner(self) -> Pinner:
+        if self.pinner is None:
+            raise RuntimeError("this driver has no pinner")
+        return self.pinner
+
+    def _need_accessor(self) -> Accessor:
+        if self.accessor is None:
+            raise RuntimeError("this driver has no accessor")
+        return self.accessor
