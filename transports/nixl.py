@@ -1,33 +1,48 @@
-"""The NIXL transport: lease messages as NIXL notifications, KV blocks as registered memory.
+"""The NIXL transport: lease messages as NIXL notifications, KV memory as registered regions.
 
-What this module owns, for one worker (rank) of one engine:
+Implements `kvlease.transports._base.Transport` for one worker (rank) of one engine. It owns:
 
 - one ``nixl_agent`` (UCX backend, **no** progress thread: on a small machine two spinning
-  progress threads starve each other, so progress is driven by `NixlTransport.poll`, which the
-  driver calls every step);
-- the memory regions this worker registered (torch tensors: DRAM on CPU, VRAM when the tensor
-  lives on a CUDA device) and their block layout;
-- the remote agents of peer workers, keyed by ``(engine_id, rank)``, their block layouts and
-  prepared descriptor lists; a reconnecting peer (restart: new incarnation, new agent name,
-  new metadata) replaces the old agent with ``remove_remote_agent`` + ``add_remote_agent``, both
-  run only from the driver's thread, so re-adds are serialized;
-- the side channel for the handshake (see below) and the liveness of peer engines: sends that
-  fail are reported as `PeerUnreachable` and, once an engine has failed for `engine_ttl`
-  seconds without a word from it, its agents are removed and `EngineLost` is reported.
-  Send errors are hints, never the basis of safety: the lease core's timers are.
+  progress threads starve each other, so NIXL progresses only when the driver calls
+  `receive` / `progress`, which it does every step — a pinner must keep stepping for its
+  memory to be readable);
+- the memory this worker registered (torch tensors: DRAM on CPU, VRAM when the tensor lives on
+  a CUDA device; any writable buffer is wrapped as a CPU tensor) and the buffers it transfers
+  into or out of (registered on first use and kept: registration is costly, KV pools are reused);
+- the remote agents of peer workers keyed by ``(engine_id, rank)``, with their region layouts.
+  A restarted peer (new incarnation → new agent name and metadata) replaces its old agent with
+  ``remove_remote_agent`` + ``add_remote_agent``; both run only in the driver's thread, so
+  re-adds are serialized;
+- the side channel for the handshake.
 
 Side channel: a plain TCP socket bound to 127.0.0.1 (or the namespace address), carrying one
 length-prefixed msgpack request and one reply per connection. Chosen over ZMQ REQ/REP because
 it needs nothing beyond the standard library for the ``nixl`` extra, binds exactly the address
 given (NIXL's own metadata listener binds every interface), and a peer that dies mid-exchange
-just closes a connection instead of wedging a REQ socket's lockstep state machine. The server
-side is non-blocking and served from `poll`; the client side (the proactive handshake with a
-not-yet-connected pinner) is the only thing that runs in a background thread, and it never
-touches NIXL: its result is applied in the next `poll`.
+just closes a connection instead of wedging a REQ socket's lockstep state machine. The server is
+non-blocking and served from `progress`; rank 0 holds a handshake connection open until the
+driver answers it in its step. The client side (the proactive handshake with a not-yet-connected
+pinner, and fetching a layout) is the only thing that runs in a background thread, and it never
+touches NIXL: results are applied in the next `progress`.
 
-Must never: hold lease state or make lease decisions (that is the core's job; the transport
-moves bytes and reports what happened), block the driver's step, or call NIXL from more than
-one thread.
+Handshake with a tensor-parallel pinner: the accessor worker sends the encoded `Handshake` and
+its agent metadata to the pinner's rank-0 side channel; rank 0 answers with the core's
+`HandshakeReply`, its own agent metadata and layout, and the side-channel addresses of every
+worker of its engine; the accessor's background thread then says hello to every other worker
+(each answers from its transport, no driver involved: the pinner core keeps no per-connection
+state), so heartbeats sent with ``rank=None`` fan out to all of them.
+
+Data plane: ``start_read`` pulls a whole remote region into a local buffer (RDMA READ),
+``start_write`` pushes a local buffer into a remote region (WRITE). A notification passed as
+`notif` is attached to the transfer: NIXL sends it only after the data landed, and only when
+this side polls ``check_xfer_state`` (done in `progress`). Layout changes (a region registered
+or unregistered after the handshake) are pushed to connected peers as a transport-private
+notification (prefix ``0xC1 0x4E``), which `receive` consumes; a read naming a region not yet
+known is held while the layout is fetched over the side channel.
+
+Must never: hold lease state or decide anything about leases (that is the core's job; a send
+error is reported as `PeerUnreachable`, a hint, never a basis for safety), block the driver's
+step, or call NIXL from more than one thread.
 """
 
 from __future__ import annotations
@@ -40,177 +55,110 @@ import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections import deque
 from typing import Any, Final, Literal
 
-import attrs
 import msgpack
 
-from kvlease import DecodeError, Handshake, HandshakeReply, decode, encode
+from ._base import (
+    HandshakeEvent,
+    HandshakeFailed,
+    HandshakeRequest,
+    HandshakeResponse,
+    Inbound,
+    PeerUnreachable,
+    TransferResult,
+)
 
-__all__ = [
-    "EngineLost",
-    "HandshakeCompleted",
-    "HandshakeFailed",
-    "NixlEvent",
-    "NixlTransport",
-    "NotificationReceived",
-    "PeerUnreachable",
-    "Region",
-    "RemoteRegion",
-    "TransferDone",
-    "TransferFailed",
-    "loopback_ucx_env",
-]
+__all__ = ["LAYOUT_MAGIC", "NixlTransport", "RemoteRegion", "loopback_ucx_env", "parse_address"]
 
 log = logging.getLogger("kvlease.transports.nixl")
 
 #: Side-channel frames are bounded: agent metadata is a few hundred bytes, layouts a few KiB.
 MAX_SIDE_FRAME: Final = 1 << 20
 SIDE_VERSION: Final = 1
+#: Transport-private layout notifications. 0xC1 never starts msgpack or UTF-8, and the second
+#: byte differs from the kvlease frame magic (0xC1 0x4B), so no peer mistakes one for the other.
+LAYOUT_MAGIC: Final = b"\xc1\x4e"
+#: Buffers registered on first use (transfer targets and sources) kept per transport.
+MAX_AUTO_REGISTRATIONS: Final = 4096
 _LEN = struct.Struct("!I")
 
 Op = Literal["READ", "WRITE"]
 
 
-def loopback_ucx_env(env: dict[str, str] | None = None) -> dict[str, str]:
+def loopback_ucx_env() -> None:
     """Keep UCX on the loopback device unless the caller chose otherwise. Must run before the
     first agent is created (UCX reads its environment once)."""
-    target = os.environ if env is None else env
-    target.setdefault("UCX_NET_DEVICES", "lo")
-    return dict(target)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"side-channel address must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 # -- memory ---------------------------------------------------------------------------------
 
 
-@attrs.frozen
 class RemoteRegion:
-    """A peer's registered region as announced in its handshake reply."""
+    """A registered region as announced to peers: one contiguous range."""
 
-    name: str
-    addr: int
-    nbytes: int
-    block_bytes: int
-    mem_type: str  # "DRAM" or "VRAM"
-    dev_id: int
+    __slots__ = ("addr", "dev_id", "mem_type", "name", "nbytes")
 
-    @property
-    def blocks(self) -> int:
-        return self.nbytes // self.block_bytes
-
-    def descs(self) -> list[tuple[int, int, int]]:
-        return [(self.addr + i * self.block_bytes, self.block_bytes, self.dev_id) for i in range(self.blocks)]
+    def __init__(self, name: str, addr: int, nbytes: int, mem_type: str, dev_id: int) -> None:
+        self.name = name
+        self.addr = addr
+        self.nbytes = nbytes
+        self.mem_type = mem_type
+        self.dev_id = dev_id
 
     def to_wire(self) -> list[Any]:
-        return [self.name, self.addr, self.nbytes, self.block_bytes, self.mem_type, self.dev_id]
+        return [self.name, self.addr, self.nbytes, self.mem_type, self.dev_id]
 
     @classmethod
     def from_wire(cls, v: object) -> RemoteRegion:
-        if not isinstance(v, list) or len(v) != 6:
-            raise ValueError(f"region must be a 6-item list, got {v!r}")
-        name, addr, nbytes, block_bytes, mem_type, dev_id = v
-        ints = (addr, nbytes, block_bytes, dev_id)
-        if not isinstance(name, str) or not all(isinstance(i, int) and i >= 0 for i in ints):
+        if not isinstance(v, list) or len(v) != 5:
+            raise ValueError(f"region must be a 5-item list, got {v!r}")
+        name, addr, nbytes, mem_type, dev_id = v
+        if not isinstance(name, str) or not all(isinstance(i, int) and i >= 0 for i in (addr, nbytes, dev_id)):
             raise ValueError(f"malformed region {v!r}")
-        if mem_type not in ("DRAM", "VRAM") or block_bytes <= 0 or nbytes % block_bytes:
-            raise ValueError(f"malformed region {v!r}")
-        return cls(name, addr, nbytes, block_bytes, mem_type, dev_id)
+        if mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"malformed region memory type {mem_type!r}")
+        return cls(name, addr, nbytes, mem_type, dev_id)
 
 
-@attrs.define
-class Region:
-    """A local tensor registered with NIXL, cut into equal blocks (the KV block layout)."""
+def _as_tensor(buffer: object) -> Any:
+    """A contiguous torch tensor viewing `buffer` (no copy)."""
+    import torch
 
-    name: str
-    tensor: Any  # torch.Tensor; kept referenced so the registered memory stays alive
-    block_bytes: int
-    reg: Any = attrs.field(repr=False)
-    prepped: Any = attrs.field(repr=False, default=None)
-
-    @property
-    def wire(self) -> RemoteRegion:
-        t = self.tensor
-        is_cuda = bool(t.is_cuda)
-        return RemoteRegion(
-            self.name,
-            int(t.data_ptr()),
-            int(t.numel() * t.element_size()),
-            self.block_bytes,
-            "VRAM" if is_cuda else "DRAM",
-            int(t.device.index or 0) if is_cuda else 0,
-        )
+    if isinstance(buffer, torch.Tensor):
+        if not buffer.is_contiguous():
+            raise ValueError("a registered tensor must be contiguous")
+        return buffer
+    view = memoryview(buffer)  # type: ignore[arg-type]
+    if view.readonly:
+        raise ValueError("a registered buffer must be writable")
+    return torch.frombuffer(view.cast("B"), dtype=torch.uint8)
 
 
-# -- events ---------------------------------------------------------------------------------
+def _describe(tensor: Any) -> tuple[int, int, str, int]:
+    """(address, bytes, NIXL memory type, device id) of a tensor: VRAM only for CUDA memory."""
+    nbytes = int(tensor.numel() * tensor.element_size())
+    if bool(tensor.is_cuda):
+        return int(tensor.data_ptr()), nbytes, "VRAM", int(tensor.device.index or 0)
+    return int(tensor.data_ptr()), nbytes, "DRAM", 0
 
 
-@attrs.frozen
-class NotificationReceived:
-    """A notification from a known peer worker (raw bytes: the driver decodes them)."""
+class _Local:
+    __slots__ = ("desc", "reg", "tensor")
 
-    engine_id: str
-    rank: int
-    payload: bytes
-
-
-@attrs.frozen
-class HandshakeCompleted:
-    """Accessor side: one pinner worker answered; feed `reply` to `Accessor.handshake_reply`."""
-
-    engine_id: str
-    rank: int
-    reply: HandshakeReply
-
-
-@attrs.frozen
-class HandshakeFailed:
-    engine_id: str
-    rank: int
-    reason: str
-
-
-@attrs.frozen
-class PeerUnreachable:
-    """A send to a peer worker failed (a hint that it died; safety never depends on it)."""
-
-    engine_id: str
-    rank: int
-    reason: str
-
-
-@attrs.frozen
-class EngineLost:
-    """Every worker of `engine_id` failed for the engine TTL; its agents were removed. An
-    accessor driver passes this to `Accessor.disconnect`."""
-
-    engine_id: str
-
-
-@attrs.frozen
-class TransferDone:
-    xfer_id: int
-    engine_id: str
-    rank: int
-
-
-@attrs.frozen
-class TransferFailed:
-    xfer_id: int
-    engine_id: str
-    rank: int
-    reason: str
-
-
-NixlEvent = (
-    NotificationReceived
-    | HandshakeCompleted
-    | HandshakeFailed
-    | PeerUnreachable
-    | EngineLost
-    | TransferDone
-    | TransferFailed
-)
+    def __init__(self, tensor: Any, reg: Any) -> None:
+        self.tensor = tensor  # keeps the memory alive while registered
+        self.reg = reg
+        self.desc = _describe(tensor)
 
 
 # -- side channel ---------------------------------------------------------------------------
@@ -228,18 +176,6 @@ def _unpack(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def side_request(addr: tuple[str, int], request: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """One blocking request/reply on the side channel (run in a background thread)."""
-    with socket.create_connection(addr, timeout=timeout) as s:
-        s.settimeout(timeout)
-        s.sendall(_frame(request))
-        header = _recv_exact(s, _LEN.size)
-        (n,) = _LEN.unpack(header)
-        if n > MAX_SIDE_FRAME:
-            raise ValueError(f"side-channel reply of {n} bytes exceeds {MAX_SIDE_FRAME}")
-        return _unpack(_recv_exact(s, n))
-
-
 def _recv_exact(s: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -250,31 +186,385 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def side_request(addr: tuple[str, int], request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One blocking request/reply on the side channel (background threads only)."""
+    with socket.create_connection(addr, timeout=timeout) as s:
+        s.settimeout(timeout)
+        s.sendall(_frame(request))
+        (n,) = _LEN.unpack(_recv_exact(s, _LEN.size))
+        if n > MAX_SIDE_FRAME:
+            raise ValueError(f"side-channel reply of {n} bytes exceeds {MAX_SIDE_FRAME}")
+        reply = _unpack(_recv_exact(s, n))
+    if "error" in reply:
+        raise ConnectionRefusedError(f"peer refused: {reply['error']}")
+    if reply.get("v") != SIDE_VERSION:
+        raise ValueError(f"side-channel version {reply.get('v')!r}, expected {SIDE_VERSION}")
+    return reply
+
+
 class _SideConn:
-    __slots__ = ("inbuf", "outbuf", "sock")
+    __slots__ = ("inbuf", "outbuf", "sock", "token")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.inbuf = bytearray()
         self.outbuf = b""
+        self.token = 0
 
 
-class SideChannelServer:
-    """Non-blocking TCP server: one request and one reply per connection, served in `poll`."""
+# -- the transport --------------------------------------------------------------------------
 
-    def __init__(self, host: str, port: int, handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        self._handler = handler
+
+class _Peer:
+    __slots__ = ("address", "agent", "engine_id", "rank", "regions")
+
+    def __init__(self, engine_id: str, rank: int, agent: str) -> None:
+        self.engine_id = engine_id
+        self.rank = rank
+        self.agent = agent
+        self.regions: dict[str, RemoteRegion] = {}
+        self.address: str | None = None
+
+
+class _Xfer:
+    __slots__ = ("deadline", "engine_id", "handle", "local", "nbytes", "notif", "op", "rank", "region")
+
+    def __init__(self, op: Op, engine_id: str, rank: int, region: str, local: _Local, notif: bytes, deadline: float):
+        self.op = op
+        self.engine_id = engine_id
+        self.rank = rank
+        self.region = region
+        self.local = local
+        self.notif = notif
+        self.deadline = deadline
+        self.handle: Any = None  # None while waiting for the remote layout
+        self.nbytes = 0
+
+
+class NixlTransport:
+    """One worker's NIXL agent, side channel, registered memory and peer table.
+
+    `worker_addresses` (rank order, ``host:port``) are the side channels of every worker of
+    this engine; rank 0 hands them to accessors in its handshake reply. With one worker it may
+    be omitted. `incarnation` makes the agent name unique per process life (default: random).
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        rank: int = 0,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        incarnation: int | None = None,
+        worker_addresses: list[str] | None = None,
+        handshake_timeout: float = 5.0,
+        transfer_timeout: float = 30.0,
+        clock: Any = None,
+    ) -> None:
+        import time
+
+        loopback_ucx_env()
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self._engine_id = engine_id
+        self._rank = rank
+        self._clock = clock or time.monotonic
+        self.handshake_timeout = handshake_timeout
+        self.transfer_timeout = transfer_timeout
+        inc = int.from_bytes(os.urandom(8), "big") if incarnation is None else incarnation
+        # Unique per process life, so a restarted worker is a new agent to its peers.
+        self.agent_name = f"{engine_id}#{rank}#{inc:016x}"
+        cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        self._agent = nixl_agent(self.agent_name, cfg)
+        self._regions: dict[str, _Local] = {}
+        self._auto: dict[tuple[int, int], _Local] = {}
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._by_agent: dict[str, _Peer] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._next_handle = 1
+        self._results: list[TransferResult] = []
+        self._hs_events: list[HandshakeEvent] = []
+        # Background threads post (kind, engine_id, payload); applied in `progress`.
+        self._bg: queue.SimpleQueue[tuple[str, str, Any]] = queue.SimpleQueue()
+        self._inbound: deque[Inbound] = deque()
+        self._pending_answers: dict[int, _SideConn] = {}
+        self._next_token = 1
+        self._layout_fetches: set[tuple[str, int]] = set()
+        #: Notifications from agents we do not know (dropped) and bad side-channel requests.
+        self.unknown_senders = 0
+        self.malformed = 0
         self._sel = selectors.DefaultSelector()
-        self._lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._lsock.bind((host, port))
         self._lsock.listen(64)
         self._lsock.setblocking(False)
         self._sel.register(self._lsock, selectors.EVENT_READ, None)
-        self.address: tuple[str, int] = self._lsock.getsockname()[:2]
-        self.malformed = 0
+        h, p = self._lsock.getsockname()[:2]
+        self._address = f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
+        self.worker_addresses = list(worker_addresses) if worker_addresses else [self._address]
 
-    def poll(self) -> None:
+    # -- identity ----------------------------------------------------------------------------
+
+    @property
+    def engine_id(self) -> str:
+        return self._engine_id
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def register(self, region: str, buffer: object) -> int:
+        if region in self._regions:
+            raise ValueError(f"region {region!r} is already registered")
+        tensor = _as_tensor(buffer)
+        local = self._register(tensor)
+        self._regions[region] = local
+        addr, nbytes, mem_type, dev = local.desc
+        self._announce(["+", [region, addr, nbytes, mem_type, dev]])
+        return nbytes
+
+    def unregister(self, region: str) -> None:
+        local = self._regions.pop(region, None)
+        if local is None:
+            return
+        self._announce(["-", region])
+        if not any(x.local is local for x in self._xfers.values()):
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(local.reg)
+
+    def _register(self, tensor: Any) -> _Local:
+        return _Local(tensor, self._agent.register_memory(tensor))
+
+    def _local_for(self, buffer: object) -> _Local:
+        """The registration covering `buffer`: a region of ours, or one made on first use."""
+        tensor = _as_tensor(buffer)
+        addr, nbytes, _, _ = _describe(tensor)
+        for local in (*self._regions.values(), *self._auto.values()):
+            a, n, _, _ = local.desc
+            if a <= addr and addr + nbytes <= a + n:
+                if (a, n) == (addr, nbytes):
+                    return local
+                sub = _Local(tensor, local.reg)
+                return sub
+        if len(self._auto) >= MAX_AUTO_REGISTRATIONS:
+            raise ValueError(f"more than {MAX_AUTO_REGISTRATIONS} distinct transfer buffers; register a pool")
+        local = self._register(tensor)
+        self._auto[(addr, nbytes)] = local
+        return local
+
+    def _layout(self) -> list[list[Any]]:
+        return [[name, *loc.desc] for name, loc in self._regions.items()]
+
+    def _announce(self, change: list[Any]) -> None:
+        payload = LAYOUT_MAGIC + msgpack.packb(change, use_bin_type=True)
+        for peer in list(self._peers.values()):
+            with contextlib.suppress(Exception):
+                self._agent.send_notif(peer.agent, payload)
+
+    # -- control plane -----------------------------------------------------------------------
+
+    def send(self, engine_id: str, rank: int | None, data: bytes) -> None:
+        if rank is None:
+            targets = [p for p in self._peers.values() if p.engine_id == engine_id]
+        else:
+            p = self._peers.get((engine_id, rank))
+            targets = [] if p is None else [p]
+        if not targets:
+            raise PeerUnreachable(engine_id, rank, "no NIXL agent known for it (not handshaken or forgotten)")
+        failures: list[str] = []
+        for peer in targets:
+            try:
+                self._agent.send_notif(peer.agent, data)
+            except Exception as exc:  # nixlRemoteDisconnectError & co: typed, per peer
+                failures.append(f"rank {peer.rank}: {type(exc).__name__}: {exc}")
+        if failures:
+            raise PeerUnreachable(engine_id, rank, "; ".join(failures))
+
+    def receive(self) -> list[Inbound]:
+        # Received notifications queue without bound inside NIXL until drained: drain all.
+        for agent, payloads in self._agent.get_new_notifs().items():
+            peer = self._by_agent.get(agent)
+            if peer is None:
+                self.unknown_senders += len(payloads)
+                continue
+            for p in payloads:
+                data = bytes(p)
+                if data[:2] == LAYOUT_MAGIC:
+                    self._apply_layout_change(peer, data[2:])
+                else:
+                    self._inbound.append(Inbound(peer.engine_id, peer.rank, data))
+        out = list(self._inbound)
+        self._inbound.clear()
+        return out
+
+    def _apply_layout_change(self, peer: _Peer, body: bytes) -> None:
+        try:
+            change = msgpack.unpackb(body, raw=False)
+            if change[0] == "+":
+                r = RemoteRegion.from_wire(change[1])
+                peer.regions[r.name] = r
+            elif change[0] == "-" and isinstance(change[1], str):
+                peer.regions.pop(change[1], None)
+            else:
+                raise ValueError(change)
+        except Exception:
+            self.malformed += 1
+
+    def progress(self) -> None:
+        self._serve_side_channel()
+        self._apply_background()
+        self._check_transfers()
+
+    def wait(self, timeout: float) -> None:
+        # NIXL without a progress thread has no descriptor to wait on: nap briefly, waking
+        # early for side-channel traffic, so notifications are picked up within ~1 ms.
+        if timeout > 0:
+            self._sel.select(timeout=min(timeout, 0.001))
+
+    # -- handshake ---------------------------------------------------------------------------
+
+    def _hello(self, kind: str, data: bytes = b"") -> dict[str, Any]:
+        return {
+            "v": SIDE_VERSION,
+            "kind": kind,
+            "engine_id": self._engine_id,
+            "rank": self._rank,
+            "agent": self.agent_name,
+            "metadata": self._agent.get_agent_metadata(),
+            "address": self._address,
+            "handshake": data,
+        }
+
+    def request_handshake(self, engine_id: str, address: str, data: bytes) -> None:
+        request = self._hello("handshake", data)
+        threading.Thread(
+            target=self._handshake_thread, args=(engine_id, address, request),
+            name=f"kvlease-nixl-handshake-{engine_id}", daemon=True,
+        ).start()
+
+    def _handshake_thread(self, engine_id: str, address: str, request: dict[str, Any]) -> None:
+        try:
+            reply = side_request(parse_address(address), request, self.handshake_timeout)
+            hello = dict(request, kind="hello", handshake=b"")
+            workers = reply.get("workers") or [address]
+            others = []
+            for rank, addr in enumerate(workers):
+                if rank != reply.get("rank", 0):
+                    others.append(side_request(parse_address(str(addr)), hello, self.handshake_timeout))
+            self._bg.put(("handshake", engine_id, (reply, others)))
+        except Exception as exc:  # reported as HandshakeFailed; the core retries each interval
+            self._bg.put(("handshake_failed", engine_id, f"{type(exc).__name__}: {exc}"))
+
+    def _layout_thread(self, engine_id: str, rank: int, address: str, request: dict[str, Any]) -> None:
+        try:
+            self._bg.put(("layout", engine_id, side_request(parse_address(address), request, self.handshake_timeout)))
+        except Exception as exc:
+            self._bg.put(("layout_failed", engine_id, (rank, f"{type(exc).__name__}: {exc}")))
+
+    def poll_handshakes(self) -> list[HandshakeEvent]:
+        out = self._hs_events
+        self._hs_events = []
+        return out
+
+    def answer_handshake(self, token: int, data: bytes) -> None:
+        conn = self._pending_answers.pop(token, None)
+        if conn is None:
+            return  # the accessor hung up meanwhile
+        reply = {
+            "v": SIDE_VERSION,
+            "reply": data,
+            "engine_id": self._engine_id,
+            "rank": self._rank,
+            "agent": self.agent_name,
+            "metadata": self._agent.get_agent_metadata(),
+            "regions": self._layout(),
+            "workers": self.worker_addresses,
+        }
+        conn.outbuf = _frame(reply)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+
+    def _apply_background(self) -> None:
+        while True:
+            try:
+                kind, engine_id, payload = self._bg.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "handshake":
+                reply, others = payload
+                try:
+                    for info in (reply, *others):
+                        if info.get("engine_id") != engine_id:
+                            raise ValueError(f"{info.get('engine_id')!r} answered for {engine_id!r}")
+                        self._install(info)
+                except Exception as exc:
+                    self._hs_events.append(HandshakeFailed(engine_id, f"{type(exc).__name__}: {exc}"))
+                    continue
+                self._hs_events.append(HandshakeResponse(engine_id, bytes(reply["reply"])))
+            elif kind == "handshake_failed":
+                self._hs_events.append(HandshakeFailed(engine_id, str(payload)))
+            elif kind == "layout":
+                with contextlib.suppress(Exception):
+                    self._install(payload)
+                self._layout_fetches.discard((engine_id, int(payload.get("rank", -1))))
+                self._start_waiting(engine_id)
+            elif kind == "layout_failed":
+                rank, reason = payload
+                self._layout_fetches.discard((engine_id, rank))
+                self._fail_waiting(engine_id, rank, f"layout fetch failed: {reason}")
+
+    def _install(self, info: dict[str, Any]) -> _Peer:
+        """Add (or replace) a peer worker's agent from its hello, serialized in this thread."""
+        engine_id, rank, agent = info["engine_id"], info["rank"], info["agent"]
+        if not isinstance(engine_id, str) or not isinstance(rank, int) or not isinstance(agent, str):
+            raise ValueError("malformed hello")
+        peer = self._peers.get((engine_id, rank))
+        if peer is None or peer.agent != agent:
+            if peer is not None:
+                self._drop(peer)  # restarted: the old agent is gone for good
+            stale = self._by_agent.get(agent)
+            if stale is not None:
+                self._drop(stale)
+            name = self._agent.add_remote_agent(bytes(info["metadata"]))
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if name != agent:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+                raise ValueError(f"agent metadata names {name!r}, the hello says {agent!r}")
+            peer = _Peer(engine_id, rank, agent)
+            self._peers[(engine_id, rank)] = peer
+            self._by_agent[agent] = peer
+        if "regions" in info:
+            peer.regions = {r.name: r for r in map(RemoteRegion.from_wire, info["regions"])}
+        if isinstance(info.get("address"), str):
+            peer.address = info["address"]
+        return peer
+
+    def _drop(self, peer: _Peer) -> None:
+        self._peers.pop((peer.engine_id, peer.rank), None)
+        self._by_agent.pop(peer.agent, None)
+        with contextlib.suppress(Exception):
+            self._agent.remove_remote_agent(peer.agent)
+
+    def forget_peer(self, engine_id: str) -> None:
+        for peer in [p for p in self._peers.values() if p.engine_id == engine_id]:
+            self._drop(peer)
+
+    def known_ranks(self, engine_id: str) -> list[int]:
+        return sorted(r for (e, r) in self._peers if e == engine_id)
+
+    # -- side-channel server -----------------------------------------------------------------
+
+    def _serve_side_channel(self) -> None:
         for key, _ in self._sel.select(timeout=0):
             conn: _SideConn | None = key.data
             if conn is None:
@@ -303,6 +593,8 @@ class SideChannelServer:
             if not chunk:
                 self._close(conn)
                 return
+            if conn.token:
+                return  # a request is already being answered; ignore extra bytes
             conn.inbuf += chunk
             if len(conn.inbuf) < _LEN.size:
                 return
@@ -311,407 +603,174 @@ class SideChannelServer:
                 raise ValueError(f"side-channel request of {n} bytes exceeds {MAX_SIDE_FRAME}")
             if len(conn.inbuf) < _LEN.size + n:
                 return
-            request = _unpack(bytes(conn.inbuf[_LEN.size : _LEN.size + n]))
-            try:
-                reply = self._handler(request)
-            except (ValueError, KeyError, TypeError, DecodeError) as exc:
-                self.malformed += 1
-                reply = {"v": SIDE_VERSION, "error": f"{type(exc).__name__}: {exc}"}
-            conn.outbuf = _frame(reply)
-            self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            self._handle_request(conn, _unpack(bytes(conn.inbuf[_LEN.size : _LEN.size + n])))
         except (BlockingIOError, InterruptedError):
             return
-        except (OSError, ValueError, msgpack.UnpackException) as exc:
-            # Hostile or broken input costs one connection, never the engine loop.
+        except Exception as exc:
+            # Hostile or broken input costs one connection (and a counter), never the step.
             self.malformed += 1
-            log.debug("side channel: dropping connection: %s", exc)
+            log.debug("side channel: dropping a connection: %s", exc)
+            with contextlib.suppress(OSError):
+                conn.sock.send(_frame({"v": SIDE_VERSION, "error": f"{type(exc).__name__}: {exc}"}))
             self._close(conn)
 
+    def _handle_request(self, conn: _SideConn, request: dict[str, Any]) -> None:
+        if request.get("v") != SIDE_VERSION:
+            raise ValueError(f"side-channel version {request.get('v')!r}, expected {SIDE_VERSION}")
+        kind = request.get("kind")
+        # Both kinds carry the accessor worker's agent: we need it to send acks back.
+        self._install(request)
+        if kind == "handshake":
+            data = request.get("handshake")
+            if not isinstance(data, bytes) or not data:
+                raise ValueError("handshake request without a handshake")
+            conn.token = self._next_token
+            self._next_token += 1
+            self._pending_answers[conn.token] = conn
+            self._hs_events.append(HandshakeRequest(conn.token, data))
+            return
+        if kind != "hello":
+            raise ValueError(f"unknown side-channel request {kind!r}")
+        conn.outbuf = _frame({
+            "v": SIDE_VERSION,
+            "engine_id": self._engine_id,
+            "rank": self._rank,
+            "agent": self.agent_name,
+            "metadata": self._agent.get_agent_metadata(),
+            "regions": self._layout(),
+        })
+        self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+
     def _close(self, conn: _SideConn) -> None:
+        if conn.token:
+            self._pending_answers.pop(conn.token, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
         conn.sock.close()
 
-    def close(self) -> None:
-        for key in list(self._sel.get_map().values()):
-            with contextlib.suppress(OSError):
-                key.fileobj.close()  # type: ignore[union-attr]
-        self._sel.close()
+    # -- data plane --------------------------------------------------------------------------
 
+    def start_read(self, engine_id: str, rank: int, region: str, into: object, notif: bytes | None) -> int:
+        return self._start("READ", engine_id, rank, region, into, notif)
 
-# -- the transport --------------------------------------------------------------------------
+    def start_write(self, engine_id: str, rank: int, region: str, src: object, notif: bytes | None) -> int:
+        return self._start("WRITE", engine_id, rank, region, src, notif)
 
-
-class _Peer:
-    __slots__ = ("agent", "engine_id", "rank", "regions", "remote_prepped")
-
-    def __init__(self, engine_id: str, rank: int, agent: str, regions: dict[str, RemoteRegion]) -> None:
-        self.engine_id = engine_id
-        self.rank = rank
-        self.agent = agent
-        self.regions = regions
-        self.remote_prepped: dict[str, Any] = {}
-
-
-class _EngineHealth:
-    __slots__ = ("failing_since", "reported")
-
-    def __init__(self) -> None:
-        self.failing_since: float | None = None
-        self.reported: set[int] = set()
-
-
-class _Xfer:
-    __slots__ = ("deadline", "engine_id", "handle", "rank")
-
-    def __init__(self, handle: Any, engine_id: str, rank: int, deadline: float) -> None:
-        self.handle = handle
-        self.engine_id = engine_id
-        self.rank = rank
-        self.deadline = deadline
-
-
-class NixlTransport:
-    """One worker's NIXL agent, side channel, registered regions and peer table.
-
-    Every method takes `now` from the driver's clock and never blocks; `poll(now)` drives
-    NIXL progress, serves the side channel, and returns what happened as events.
-    `on_handshake` (pinner side) turns a received `Handshake` into the core's
-    `HandshakeReply` (``lambda hs: pinner.handshake_reply(now(), hs)``).
-    """
-
-    def __init__(
-        self,
-        engine_id: str,
-        rank: int,
-        incarnation: int,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        engine_ttl: float = 10.0,
-        transfer_timeout: float = 30.0,
-        handshake_timeout: float = 5.0,
-        on_handshake: Callable[[Handshake], HandshakeReply] | None = None,
-        serve: bool = True,
-    ) -> None:
-        loopback_ucx_env()
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.engine_id = engine_id
-        self.rank = rank
-        self.incarnation = incarnation
-        self.engine_ttl = engine_ttl
-        self.transfer_timeout = transfer_timeout
-        self.handshake_timeout = handshake_timeout
-        self.on_handshake = on_handshake
-        # Unique per incarnation, so a restarted worker is a new agent to its peers.
-        self.agent_name = f"{engine_id}#{rank}#{incarnation:016x}"
-        cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
-        self._agent = nixl_agent(self.agent_name, cfg)
-        self.regions: dict[str, Region] = {}
-        self._peers: dict[tuple[str, int], _Peer] = {}
-        self._by_agent: dict[str, _Peer] = {}
-        self._health: dict[str, _EngineHealth] = {}
-        self._xfers: dict[int, _Xfer] = {}
-        self._next_xfer = 1
-        self._done_q: queue.SimpleQueue[tuple[str, int, dict[str, Any] | Exception]] = queue.SimpleQueue()
-        self._pending_handshakes: set[tuple[str, int]] = set()
-        self.addresses: dict[str, list[tuple[str, int]]] = {}
-        self.unknown_senders = 0
-        self.server: SideChannelServer | None = SideChannelServer(host, port, self._serve) if serve else None
-
-    @property
-    def side_address(self) -> tuple[str, int] | None:
-        return None if self.server is None else self.server.address
-
-    # -- memory ----------------------------------------------------------------------------
-
-    def register(self, name: str, tensor: Any, block_bytes: int) -> Region:
-        """Register a contiguous tensor (CPU → DRAM, CUDA → VRAM) cut into `block_bytes`
-        blocks. The tensor must outlive the transport."""
-        nbytes = int(tensor.numel() * tensor.element_size())
-        if not tensor.is_contiguous() or block_bytes <= 0 or nbytes % block_bytes:
-            raise ValueError(f"region {name!r}: need a contiguous tensor of whole {block_bytes}-byte blocks")
-        if name in self.regions:
-            raise ValueError(f"region {name!r} is already registered")
-        reg = self._agent.register_memory(tensor)
-        region = Region(name, tensor, block_bytes, reg)
-        w = region.wire
-        region.prepped = self._agent.prep_xfer_dlist("", w.descs(), w.mem_type)
-        self.regions[name] = region
-        return region
-
-    # -- handshake ---------------------------------------------------------------------------
-
-    def set_engine_addresses(self, engine_id: str, addresses: Sequence[tuple[str, int]]) -> None:
-        """Where each worker (rank order) of a pinner engine serves its side channel."""
-        self.addresses[engine_id] = [(h, int(p)) for h, p in addresses]
-
-    def start_handshake(self, engine_id: str, message: Handshake) -> None:
-        """Handshake with every worker of `engine_id` in the background (HandshakeNeeded)."""
-        addrs = self.addresses.get(engine_id)
-        if not addrs:
-            self._done_q.put((engine_id, -1, LookupError(f"no side-channel address for engine {engine_id!r}")))
-            return
-        request = {
-            "v": SIDE_VERSION,
-            "handshake": encode(message),
-            "engine_id": self.engine_id,
-            "rank": self.rank,
-            "agent": self.agent_name,
-            "metadata": self._agent.get_agent_metadata(),
-            "regions": [r.wire.to_wire() for r in self.regions.values()],
-        }
-        for rank, addr in enumerate(addrs):
-            if (engine_id, rank) in self._pending_handshakes:
-                continue
-            self._pending_handshakes.add((engine_id, rank))
-            threading.Thread(
-                target=self._handshake_thread, args=(engine_id, rank, addr, request),
-                name=f"kvlease-handshake-{engine_id}-{rank}", daemon=True,
-            ).start()
-
-    def _handshake_thread(self, engine_id: str, rank: int, addr: tuple[str, int], request: dict[str, Any]) -> None:
+    def _start(self, op: Op, engine_id: str, rank: int, region: str, buffer: object, notif: bytes | None) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
         try:
-            self._done_q.put((engine_id, rank, side_request(addr, request, self.handshake_timeout)))
-        except Exception as exc:  # reported as an event; the core retries each interval
-            self._done_q.put((engine_id, rank, exc))
-
-    def _serve(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Pinner side: answer a handshake and add the accessor worker's agent."""
-        if request.get("v") != SIDE_VERSION:
-            raise ValueError(f"side-channel version {request.get('v')!r}, expected {SIDE_VERSION}")
-        if self.on_handshake is None:
-            raise ValueError("this worker does not accept handshakes")
-        hs = decode(request["handshake"])
-        if not isinstance(hs, Handshake):
-            raise ValueError(f"expected a Handshake, got {type(hs).__name__}")
-        regions = {r.name: r for r in map(RemoteRegion.from_wire, request.get("regions", []))}
-        if hs.engine_id != request["engine_id"] or hs.rank != request["rank"]:
-            raise ValueError("handshake identity does not match the request")
-        self._install_peer(hs.engine_id, hs.rank, str(request["agent"]), bytes(request["metadata"]), regions)
-        reply = self.on_handshake(hs)
-        return {
-            "v": SIDE_VERSION,
-            "reply": encode(reply),
-            "agent": self.agent_name,
-            "metadata": self._agent.get_agent_metadata(),
-            "regions": [r.wire.to_wire() for r in self.regions.values()],
-        }
-
-    def _install_peer(
-        self, engine_id: str, rank: int, agent: str, metadata: bytes, regions: dict[str, RemoteRegion]
-    ) -> None:
-        old = self._peers.get((engine_id, rank))
-        if old is not None and old.agent == agent:
-            old.regions = regions
-            self._release_prepped(old)
-        else:
-            if old is not None:
-                self._drop_peer(old)  # a restarted peer: its old agent is gone for good
-            if agent in self._by_agent:
-                self._drop_peer(self._by_agent[agent])
-            name = self._agent.add_remote_agent(metadata)
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            if name != agent:
-                with contextlib.suppress(Exception):
-                    self._agent.remove_remote_agent(name)
-                raise ValueError(f"agent metadata names {name!r}, the request says {agent!r}")
-            peer = _Peer(engine_id, rank, agent, regions)
-            self._peers[(engine_id, rank)] = peer
-            self._by_agent[agent] = peer
-        h = self._health.setdefault(engine_id, _EngineHealth())
-        h.failing_since = None
-        h.reported.clear()
-
-    def _release_prepped(self, peer: _Peer) -> None:
-        for handle in peer.remote_prepped.values():
-            with contextlib.suppress(Exception):
-                handle.release()
-        peer.remote_prepped.clear()
-
-    def _drop_peer(self, peer: _Peer) -> None:
-        self._release_prepped(peer)
-        self._peers.pop((peer.engine_id, peer.rank), None)
-        self._by_agent.pop(peer.agent, None)
-        with contextlib.suppress(Exception):
-            self._agent.remove_remote_agent(peer.agent)
-
-    def drop_engine(self, engine_id: str) -> None:
-        """Forget every worker of an engine (its agents are removed)."""
-        for peer in [p for p in self._peers.values() if p.engine_id == engine_id]:
-            self._drop_peer(peer)
-        self._health.pop(engine_id, None)
-
-    def peer_ranks(self, engine_id: str) -> list[int]:
-        return sorted(r for (e, r) in self._peers if e == engine_id)
-
-    def remote_region(self, engine_id: str, rank: int, name: str) -> RemoteRegion | None:
-        peer = self._peers.get((engine_id, rank))
-        return None if peer is None else peer.regions.get(name)
-
-    # -- notifications -----------------------------------------------------------------------
-
-    def send(self, now: float, engine_id: str, rank: int | None, payload: bytes) -> list[NixlEvent]:
-        """Send one notification to a worker, or to every known worker of the engine."""
-        if rank is None:
-            targets = [p for p in self._peers.values() if p.engine_id == engine_id]
-        else:
-            p = self._peers.get((engine_id, rank))
-            targets = [] if p is None else [p]
-        if not targets:
-            return [PeerUnreachable(engine_id, -1 if rank is None else rank, "not connected")]
-        events: list[NixlEvent] = []
-        for peer in targets:
-            try:
-                self._agent.send_notif(peer.agent, payload)
-            except Exception as exc:  # nixlRemoteDisconnectError & co: typed, per peer
-                events.extend(self._failed(now, peer, exc))
-        return events
-
-    def _failed(self, now: float, peer: _Peer, exc: Exception) -> list[NixlEvent]:
-        h = self._health.setdefault(peer.engine_id, _EngineHealth())
-        if h.failing_since is None:
-            h.failing_since = now
-        if peer.rank in h.reported:
-            return []  # once per peer until it is heard from again
-        h.reported.add(peer.rank)
-        return [PeerUnreachable(peer.engine_id, peer.rank, f"{type(exc).__name__}: {exc}")]
-
-    def poll(self, now: float) -> list[NixlEvent]:
-        """Drive NIXL progress, drain notifications (they queue without bound otherwise),
-        serve the side channel, apply finished handshakes, check transfers and peer health."""
-        events: list[NixlEvent] = []
-        if self.server is not None:
-            self.server.poll()
-        while True:
-            try:
-                engine_id, rank, result = self._done_q.get_nowait()
-            except queue.Empty:
-                break
-            self._pending_handshakes.discard((engine_id, rank))
-            events.append(self._apply_handshake(engine_id, rank, result))
-        events.extend(self._check_transfers(now))
-        notifs = self._agent.get_new_notifs()
-        for agent, payloads in notifs.items():
-            peer = self._by_agent.get(agent)
-            if peer is None:
-                self.unknown_senders += len(payloads)
-                continue
-            h = self._health.get(peer.engine_id)
-            if h is not None and h.failing_since is not None:
-                h.failing_since = None
-                h.reported.clear()
-            events.extend(NotificationReceived(peer.engine_id, peer.rank, bytes(p)) for p in payloads)
-        for engine_id, h in list(self._health.items()):
-            if h.failing_since is not None and now - h.failing_since >= self.engine_ttl:
-                self.drop_engine(engine_id)
-                events.append(EngineLost(engine_id))
-        return events
-
-    def _apply_handshake(self, engine_id: str, rank: int, result: dict[str, Any] | Exception) -> NixlEvent:
-        if isinstance(result, Exception):
-            return HandshakeFailed(engine_id, rank, f"{type(result).__name__}: {result}")
-        try:
-            if "error" in result:
-                raise ValueError(f"pinner refused: {result['error']}")
-            reply = decode(result["reply"])
-            if not isinstance(reply, HandshakeReply):
-                raise ValueError(f"expected a HandshakeReply, got {type(reply).__name__}")
-            if reply.engine_id != engine_id or reply.rank != rank:
-                raise ValueError(f"asked {engine_id!r} rank {rank}, {reply.engine_id!r} rank {reply.rank} answered")
-            regions = {r.name: r for r in map(RemoteRegion.from_wire, result.get("regions", []))}
-            self._install_peer(engine_id, rank, str(result["agent"]), bytes(result["metadata"]), regions)
+            local = self._local_for(buffer)
         except Exception as exc:
-            return HandshakeFailed(engine_id, rank, f"{type(exc).__name__}: {exc}")
-        return HandshakeCompleted(engine_id, rank, reply)
-
-    # -- transfers ---------------------------------------------------------------------------
-
-    def start_transfer(
-        self,
-        now: float,
-        op: Op,
-        engine_id: str,
-        rank: int,
-        local: str,
-        local_blocks: Sequence[int],
-        remote: str,
-        remote_blocks: Sequence[int],
-        notif: bytes = b"",
-    ) -> int | TransferFailed:
-        """READ remote blocks into local ones (pull) or WRITE local blocks into remote ones
-        (push). `notif`, when given, is delivered to the peer only after the data landed.
-        Returns a transfer id, whose outcome a later `poll` reports; or the failure."""
-        xfer_id = self._next_xfer
-        self._next_xfer += 1
+            self._results.append(TransferResult(handle, False, f"local buffer: {type(exc).__name__}: {exc}"))
+            return handle
+        x = _Xfer(op, engine_id, rank, region, local, notif or b"", self._clock() + self.transfer_timeout)
+        self._xfers[handle] = x
         peer = self._peers.get((engine_id, rank))
         if peer is None:
-            return TransferFailed(xfer_id, engine_id, rank, "not connected")
-        region = self.regions.get(local)
-        rr = peer.regions.get(remote)
-        if region is None or rr is None:
-            return TransferFailed(xfer_id, engine_id, rank, f"unknown region {local!r} or {remote!r}")
-        if len(local_blocks) != len(remote_blocks) or region.block_bytes != rr.block_bytes:
-            return TransferFailed(xfer_id, engine_id, rank, "block lists or block sizes do not match")
-        try:
-            prepped = peer.remote_prepped.get(remote)
-            if prepped is None:
-                prepped = self._agent.prep_xfer_dlist(peer.agent, rr.descs(), rr.mem_type)
-                peer.remote_prepped[remote] = prepped
-            handle = self._agent.make_prepped_xfer(
-                op, region.prepped, list(local_blocks), prepped, list(remote_blocks), notif
-            )
-            state = self._agent.transfer(handle)
-        except Exception as exc:
-            self._failed(now, peer, exc)  # counts toward the engine TTL
-            return TransferFailed(xfer_id, engine_id, rank, f"{type(exc).__name__}: {exc}")
-        if state == "ERR":
-            handle.release()
-            return TransferFailed(xfer_id, engine_id, rank, "transfer could not be posted")
-        self._xfers[xfer_id] = _Xfer(handle, engine_id, rank, now + self.transfer_timeout)
-        return xfer_id
+            self._finish(handle, x, "not connected to that worker")
+        elif region in peer.regions:
+            self._post(handle, x, peer)
+        elif peer.address is not None and (engine_id, rank) not in self._layout_fetches:
+            self._layout_fetches.add((engine_id, rank))
+            threading.Thread(
+                target=self._layout_thread, args=(engine_id, rank, peer.address, self._hello("hello")),
+                name=f"kvlease-nixl-layout-{engine_id}", daemon=True,
+            ).start()
+        elif peer.address is None:
+            self._finish(handle, x, f"region {region!r} unknown on {engine_id!r} rank {rank}")
+        return handle
 
-    def _check_transfers(self, now: float) -> list[NixlEvent]:
-        events: list[NixlEvent] = []
-        for xfer_id, x in list(self._xfers.items()):
-            try:
-                # Polling is also what sends the attached notification once the data landed.
-                state = self._agent.check_xfer_state(x.handle)
-            except Exception as exc:
-                state = f"{type(exc).__name__}: {exc}"
-            if state == "PROC":
-                if now < x.deadline:
-                    continue
-                state = f"timed out after {self.transfer_timeout} s"
-            del self._xfers[xfer_id]
-            if state == "DONE":
-                x.handle.release()
-                events.append(TransferDone(xfer_id, x.engine_id, x.rank))
-            else:
-                with contextlib.suppress(Exception):
-                    x.handle.release()  # aborts it where the backend can
-                events.append(TransferFailed(xfer_id, x.engine_id, x.rank, state))
-        return events
+    def _post(self, handle: int, x: _Xfer, peer: _Peer) -> None:
+        rr = peer.regions[x.region]
+        addr, nbytes, mem_type, dev = x.local.desc
+        if nbytes != rr.nbytes:
+            self._finish(handle, x, f"local buffer has {nbytes} bytes, remote region {x.region!r} {rr.nbytes}")
+            return
+        try:
+            local_descs = self._agent.get_xfer_descs([(addr, nbytes, dev)], mem_type)
+            remote_descs = self._agent.get_xfer_descs([(rr.addr, rr.nbytes, rr.dev_id)], rr.mem_type)
+            x.handle = self._agent.initialize_xfer(x.op, local_descs, remote_descs, peer.agent, x.notif)
+            state = self._agent.transfer(x.handle)
+        except Exception as exc:
+            self._finish(handle, x, f"{type(exc).__name__}: {exc}")
+            return
+        x.nbytes = nbytes
+        if state == "ERR":
+            self._finish(handle, x, "the transfer could not be posted")
+        elif state == "DONE":
+            self._check_one(handle, x)  # polls once more so the attached notification goes
+
+    def _start_waiting(self, engine_id: str) -> None:
+        for handle, x in list(self._xfers.items()):
+            if x.engine_id != engine_id or x.handle is not None:
+                continue
+            peer = self._peers.get((engine_id, x.rank))
+            if peer is None:
+                self._finish(handle, x, "peer forgotten while fetching its layout")
+            elif x.region in peer.regions:
+                self._post(handle, x, peer)
+            elif (engine_id, x.rank) not in self._layout_fetches:
+                self._finish(handle, x, f"region {x.region!r} unknown on {engine_id!r} rank {x.rank}")
+
+    def _fail_waiting(self, engine_id: str, rank: int, reason: str) -> None:
+        for handle, x in list(self._xfers.items()):
+            if x.engine_id == engine_id and x.rank == rank and x.handle is None:
+                self._finish(handle, x, reason)
+
+    def _check_transfers(self) -> None:
+        for handle, x in list(self._xfers.items()):
+            self._check_one(handle, x)
+
+    def _check_one(self, handle: int, x: _Xfer) -> None:
+        if x.handle is None:
+            if self._clock() >= x.deadline:
+                self._finish(handle, x, "timed out waiting for the remote layout")
+            return
+        try:
+            # Polling is also what sends the attached notification once the data landed.
+            state = self._agent.check_xfer_state(x.handle)
+        except Exception as exc:
+            self._finish(handle, x, f"{type(exc).__name__}: {exc}")
+            return
+        if state == "DONE":
+            self._finish(handle, x, None)
+        elif state != "PROC":
+            self._finish(handle, x, f"transfer state {state}")
+        elif self._clock() >= x.deadline:
+            self._finish(handle, x, f"timed out after {self.transfer_timeout} s")
+
+    def _finish(self, handle: int, x: _Xfer, error: str | None) -> None:
+        self._xfers.pop(handle, None)
+        if x.handle is not None:
+            with contextlib.suppress(Exception):
+                x.handle.release()  # aborts an unfinished transfer where the backend can
+        if error is None:
+            self._results.append(TransferResult(handle, True, "", x.nbytes))
+        else:
+            self._results.append(TransferResult(handle, False, error))
+
+    def poll_transfers(self) -> list[TransferResult]:
+        out = self._results
+        self._results = []
+        return out
 
     @property
     def transfers_in_flight(self) -> int:
         return len(self._xfers)
 
     def close(self) -> None:
-        for x in self._xfers.values():
-            with contextlib.suppress(Exception):
-                x.handle.release()
-        self._xfers.clear()
+        for handle, x in list(self._xfers.items()):
+            self._finish(handle, x, "transport closed")
+        self._results.clear()
         for peer in list(self._peers.values()):
-            self._drop_peer(peer)
-        for region in self.regions.values():
+            self._drop(peer)
+        for local in (*self._regions.values(), *self._auto.values()):
             with contextlib.suppress(Exception):
-                region.prepped.release()
-            with contextlib.suppress(Exception):
-                self._agent.deregister_memory(region.reg)
-        self.regions.clear()
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+                self._agent.deregister_memory(local.reg)
+        self._regions.clear()
+        self._auto.clear()
+        for key in list(self._sel.get_map().values()):
+            with contextlib.suppress(OSError):
+                key.fileobj.close()  # type: ignore[union-attr]
+        self._sel.close()
