@@ -556,6 +556,9 @@ class NixlTransport:
             self._agent.remove_remote_agent(peer.agent)
 
     def forget_peer(self, engine_id: str) -> None:
+        for handle, x in list(self._xfers.items()):
+            if x.engine_id == engine_id:
+                self._finish(handle, x, "peer forgotten (engine TTL)")
         for peer in [p for p in self._peers.values() if p.engine_id == engine_id]:
             self._drop(peer)
 
@@ -749,6 +752,13 @@ class NixlTransport:
             self._results.append(TransferResult(handle, True, "", x.nbytes))
         else:
             self._results.append(TransferResult(handle, False, error))
+
+    def cancel_transfer(self, handle: int) -> None:
+        """Abandon a transfer (the driver's timeout): released, and never reported."""
+        x = self._xfers.pop(handle, None)
+        if x is not None and x.handle is not None:
+            with contextlib.suppress(Exception):
+                x.handle.release()  # aborts it where the backend can
 
     def poll_transfers(self) -> list[TransferResult]:
         out = self._results
