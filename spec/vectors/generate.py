@@ -1,0 +1,737 @@
+#!/usr/bin/env python3
+"""Generate the conformance vectors in this directory (run by hand, commit the JSON).
+
+    .venv/bin/python spec/vectors/generate.py [--check]
+
+Each scenario drives the Python core (through `kvlease.conformance.CoreImplementation`, the
+same object the reference driver wraps) along a scripted schedule of real time, converts every
+call to the endpoint's own clock (each endpoint has its own random-looking epoch), and records
+the responses as the expectation. The scripts also *assert* the protocol properties the
+scenario exists to show (a free at the right instant, no free while heartbeats flow, ...), so
+a core change that alters the meaning of a vector fails here instead of silently rewriting
+the normative expectation. The recorded JSON was read by a human; regenerate only on purpose
+and review the diff. `--check` regenerates in memory and fails if any file would change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvlease import (
+    AccessDone,
+    AccessDoneAck,
+    AccessOutcome,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatAck,
+    LeaseConfig,
+    Release,
+    encode,
+    encode_vllm_done,
+    encode_vllm_heartbeat,
+)
+from kvlease.conformance import VECTOR_FORMAT, CoreImplementation, message_to_json
+
+HERE = Path(__file__).resolve().parent
+
+#: Small timings keep vectors short: interval 1 s, extension 4 s, accessor extension ~3.949 s.
+BASE = LeaseConfig(kv_lease_duration=6.0, decoder_kv_blocks_ttl=20.0, max_access_time=0.5)
+
+
+class Recorder:
+    """Runs one scenario against the core and records it as a trace vector."""
+
+    def __init__(self, name: str, description: str, config: LeaseConfig,
+                 endpoints: dict[str, dict[str, Any]], epochs: dict[str, float]) -> None:
+        self.name = name
+        self.description = description
+        self.config = config
+        self.endpoints = endpoints
+        self.epochs = epochs
+        self.impl = CoreImplementation(annotate=True)
+        self.steps: list[dict[str, Any]] = []
+        self.t = 0.0  # real time, seconds since the scenario began
+        resp = self.impl.call({"cmd": "setup", "config": attrs.asdict(config), "endpoints": endpoints})
+        assert resp == {"ok": True}, resp
+
+    def local(self, ep: str, t: float | None = None) -> float:
+        return self.epochs[ep] + (self.t if t is None else t)
+
+    def at(self, t: float) -> Recorder:
+        assert t >= self.t, (t, self.t)
+        self.t = t
+        return self
+
+    def step(self, ep: str, op: str, note: str = "", *, clock: float | None = None,
+             **args: Any) -> dict[str, Any]:
+        """One call at the current real time (or at local reading `clock`, for misuse)."""
+        now = self.local(ep) if clock is None else clock
+        req = {"cmd": "step", "endpoint": ep, "now": now, "op": op, "args": args}
+        resp = self.impl.call(req)
+        if resp["ok"]:
+            expect = {"ok": True, "result": resp["result"], "outputs": resp["outputs"],
+                      "next_deadline": resp["next_deadline"]}
+        else:
+            expect = {"ok": False, "error": {k: v for k, v in resp["error"].items()
+                                             if k in ("class", "category")}}
+        rec: dict[str, Any] = {"endpoint": ep, "now": now, "op": op, "args": args, "expect": expect}
+        if note:
+            rec["note"] = note
+        self.steps.append(rec)
+        return resp
+
+    def deliver(self, ep: str, out: dict[str, Any], note: str = "") -> dict[str, Any]:
+        return self.step(ep, "receive", note, hex=out["hex"])
+
+    def vector(self) -> dict[str, Any]:
+        return {
+            "format": VECTOR_FORMAT, "kind": "trace", "name": self.name,
+            "description": self.description, "config": attrs.asdict(self.config),
+            "endpoints": self.endpoints, "epochs_note": "each endpoint's clock = epoch + real time",
+            "epochs": self.epochs, "steps": self.steps,
+        }
+
+
+def outs(resp: dict[str, Any], typ: str | None = None) -> list[dict[str, Any]]:
+    return [o for o in resp["outputs"] if typ is None or o["type"] == typ]
+
+
+def only(resp: dict[str, Any], typ: str) -> dict[str, Any]:
+    found = outs(resp, typ)
+    assert len(found) == 1 and len(resp["outputs"]) == 1, resp["outputs"]
+    return found[0]
+
+
+def pinner(engine_id: str, incarnation: int, rank: int = 0, ranks: int = 1) -> dict[str, Any]:
+    return {"role": "pinner", "engine_id": engine_id, "incarnation": incarnation, "rank": rank, "ranks": ranks}
+
+
+def accessor(engine_id: str, rank: int = 0, ranks: int = 1) -> dict[str, Any]:
+    return {"role": "accessor", "engine_id": engine_id, "rank": rank, "ranks": ranks}
+
+
+def connect(r: Recorder, acc: str, pin: str, hs_out: dict[str, Any], t: float) -> None:
+    """The side-channel handshake the driver performs after HandshakeNeeded."""
+    reply = r.at(t).step(pin, "handshake", "the driver carries the handshake over its side channel",
+                         hex=hs_out["hex"])
+    assert reply["ok"] and reply["outputs"] == []
+    assert not r.at(t + 0.125).step(acc, "handshake_reply", hex=reply["result"]["hex"])["outputs"]
+
+
+def heartbeat_round(r: Recorder, acc: str, pins: list[str], t: float, *, lose_to: bool = False,
+                    lose_back: bool = False) -> list[dict[str, Any]]:
+    """Accessor's due heartbeat at t, delivered to every pinner rank 0.25 s later, acks back
+    0.25 s after that. Returns the acks' receive responses."""
+    hb = r.at(t).step(acc, "handle_timeout")
+    sends = outs(hb, "Send")
+    assert sends and all(s["message"]["type"] == "Heartbeat" for s in sends), hb
+    if lose_to:
+        return []
+    acks: list[dict[str, Any]] = []
+    for s in sends:
+        for p in pins:
+            ack = r.at(t + 0.25).deliver(p, s)
+            acks.append(only(ack, "Send"))
+    if lose_back:
+        return []
+    return [r.at(t + 0.5).deliver(acc, a) for a in acks]
+
+
+# -- scenarios --------------------------------------------------------------------------------
+
+
+def happy_pull() -> Recorder:
+    r = Recorder("happy_pull", "Pull mode: grant, track, handshake, one heartbeat round, a "
+                 "guaranteed READ, access-done frees the blocks; a duplicate access-done is a no-op.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED0001), "D": accessor("decode-0")},
+                 {"P": 14021.5, "D": 98333.25})
+    ticket = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs = only(r.at(0.25).step("D", "track", key="req-1", ticket=ticket), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.375)
+    acks = heartbeat_round(r, "D", ["P"], 0.5)
+    assert all(a["outputs"] == [] for a in acks)
+    dec = r.at(1.25).step("D", "begin_access", key="req-1")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    assert abs(dec["valid_until"] - (r.local("D", 0.5) + BASE.accessor_extension)) < 1e-9
+    fin = r.at(1.5).step("D", "access_finished", key="req-1")
+    done, completed = fin["outputs"]
+    assert done["message"]["type"] == "AccessDone" and not done["message"]["confirm"]
+    assert completed == {"type": "AccessCompleted", "key": "req-1", "lease_id": 1, "confirmed_by_pinner": False}
+    free = only(r.at(1.75).deliver("P", done), "Free")
+    assert free["reason"] == "access_done" and free["at"] == r.local("P")
+    assert r.at(2.0).deliver("P", done, "duplicate access-done: never a second free")["outputs"] == []
+    assert r.at(7.0).step("P", "handle_timeout")["outputs"] == []
+    assert r.at(7.0).step("D", "handle_timeout")["outputs"] == []
+    return r
+
+
+def overload_long_queue() -> Recorder:
+    r = Recorder("overload_long_queue", "Pull mode: the request waits in the decoder's queue for "
+                 "30 s (5 lease durations); heartbeats every interval keep the lease, so nothing is "
+                 "freed until the READ completes.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED0002), "D": accessor("decode-0")},
+                 {"P": 51234.75, "D": 1234.5})
+    ticket = r.at(0.0).step("P", "grant", key="req-q")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="req-q", ticket=ticket), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.25)
+    t = 0.375
+    while t < 30.0:
+        heartbeat_round(r, "D", ["P"], t)
+        assert r.at(t + 0.5).step("P", "handle_timeout")["outputs"] == [], "freed while heartbeating"
+        assert r.at(t + 0.5).step("D", "handle_timeout")["outputs"] == []
+        t += BASE.heartbeat_interval
+    dec = r.at(t).step("D", "begin_access", key="req-q")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    fin = r.at(t + 0.25).step("D", "access_finished", key="req-q")
+    assert outs(fin, "AccessCompleted")
+    free = only(r.at(t + 0.5).deliver("P", outs(fin, "Send")[0]), "Free")
+    assert free["reason"] == "access_done"
+    return r
+
+
+def accessor_crash_expiry() -> Recorder:
+    r = Recorder("accessor_crash_expiry", "The decoder crashes after two heartbeats: the pinner "
+                 "frees exactly extension (4 s) after the last heartbeat it handled, not one tick "
+                 "earlier. A lease no accessor ever tracked frees at grant + duration. A heartbeat "
+                 "delayed past the free is answered 'expired' and frees nothing twice.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED0003), "D": accessor("decode-0")},
+                 {"P": 77000.0, "D": 20480.125})
+    ticket = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    r.at(0.0).step("P", "grant", key="req-2", note="never tracked by any accessor")
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=ticket), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.25)
+    for t in (0.375, 1.375, 2.375):
+        heartbeat_round(r, "D", ["P"], t)
+    late = outs(r.at(3.375).step("D", "handle_timeout"), "Send")[0]
+    r.at(3.625).deliver("P", late, "the last heartbeat the pinner handles; the decoder dies now")
+    last_hb_recv = 3.625
+    # A copy of its final heartbeat is stuck in the network.
+    stuck = outs(r.at(4.375).step("D", "handle_timeout", note="the accessor's final heartbeat; "
+                                  "it is delayed in the network"), "Send")[0]
+    expiry = last_hb_recv + BASE.lease_extension
+    assert r.at(5.875).step("P", "handle_timeout")["outputs"] == []
+    free2 = only(r.at(6.0).step("P", "handle_timeout", note="req-2: grant + duration"), "Free")
+    assert free2["key"] == "req-2" and free2["reason"] == "expired"
+    assert r.at(expiry - 0.125).step("P", "handle_timeout")["outputs"] == []
+    free = only(r.at(expiry).step("P", "handle_timeout", note="last heartbeat + extension"), "Free")
+    assert free == {**free, "key": "req-1", "reason": "expired", "at": r.local("P", expiry)}
+    ack = only(r.at(expiry + 1.0).deliver("P", stuck, "the delayed heartbeat arrives after the free"), "Send")
+    assert ack["message"]["expired"] == [1] and ack["message"]["renewed"] == 0
+    assert r.at(expiry + 2.0).step("P", "handle_timeout")["outputs"] == []
+    return r
+
+
+def late_read() -> Recorder:
+    r = Recorder("late_read", "A partition cuts the pinner off after one acknowledged heartbeat. "
+                 "req-1: the READ starts inside validity but is not covered for the access-time "
+                 "bound, ends after validity, so the accessor asks the pinner; the pinner had "
+                 "expired it and answers STALE: the data is never reported valid. req-2 (no "
+                 "access) is reported lost when its validity lapses.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED0004), "D": accessor("decode-0")},
+                 {"P": 31337.0, "D": 4096.75})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
+    assert r.at(0.0).step("D", "track", key="req-2", ticket=t2)["outputs"] == []
+    connect(r, "D", "P", hs, 0.25)
+    heartbeat_round(r, "D", ["P"], 0.375)
+    valid_until = r.local("D", 0.375) + BASE.accessor_extension
+    # Partition: heartbeats from here on are lost.
+    t = 1.375
+    while t < 3.9:
+        heartbeat_round(r, "D", ["P"], t, lose_to=True)
+        t += 1.0
+    dec = r.at(4.0).step("D", "begin_access", key="req-1")["result"]
+    assert dec["allowed"] and not dec["guaranteed"] and abs(dec["valid_until"] - valid_until) < 1e-9
+    lost = only(r.at(4.33).step("D", "handle_timeout", note="req-2's validity lapsed"), "LeaseLost")
+    assert lost["key"] == "req-2" and lost["reason"] == "validity_lapsed"
+    frees = r.at(6.0).step("P", "handle_timeout")["outputs"]
+    assert sorted(f["key"] for f in frees) == ["req-1", "req-2"]
+    assert all(f["reason"] == "expired" for f in frees)
+    fin = r.at(6.25).step("D", "access_finished", key="req-1", note="the READ ends after validity")
+    done = only(fin, "Send")
+    assert done["message"]["confirm"] is True
+    ack = only(r.at(7.0).deliver("P", done, "the partition heals"), "Send")
+    assert ack["message"]["outcome"] == int(AccessOutcome.STALE)
+    stale = only(r.at(7.25).deliver("D", ack), "AccessStale")
+    assert stale["key"] == "req-1"
+    return r
+
+
+def late_read_confirmed() -> Recorder:
+    r = Recorder("late_read_confirmed", "Acks are lost (heartbeats still arrive), so the "
+                 "accessor cannot prove validity and asks; the pinner still holds the lease and "
+                 "confirms: AccessCompleted(confirmed_by_pinner=true). Without an answer in time "
+                 "the accessor would report the access stale.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED0005), "D": accessor("decode-0")},
+                 {"P": 600.5, "D": 190000.25})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
+    r.at(0.0).step("D", "track", key="req-2", ticket=t2)
+    connect(r, "D", "P", hs, 0.25)
+    t = 0.375
+    while t < 3.0:
+        heartbeat_round(r, "D", ["P"], t, lose_back=True)
+        t += 1.0
+    for key in ("req-1", "req-2"):
+        dec = r.at(3.5).step("D", "begin_access", key=key)["result"]
+        assert dec["allowed"] and not dec["guaranteed"] and dec["valid_until"] is None
+    d1 = only(r.at(3.75).step("D", "access_finished", key="req-1"), "Send")
+    d2 = only(r.at(3.75).step("D", "access_finished", key="req-2"), "Send")
+    assert d1["message"]["confirm"] and d2["message"]["confirm"]
+    a1 = r.at(4.0).deliver("P", d1)
+    assert [o["type"] for o in a1["outputs"]] == ["Free", "Send"]
+    ok = only(r.at(4.25).deliver("D", a1["outputs"][1]), "AccessCompleted")
+    assert ok["confirmed_by_pinner"] is True
+    # req-2's access-done is lost: the confirmation deadline passes.
+    deadline = 3.75 + BASE.accessor_extension
+    assert not outs(r.at(deadline - 0.125).step("D", "handle_timeout"), "AccessStale")
+    stale = only(r.at(deadline).step("D", "handle_timeout"), "AccessStale")
+    assert stale["key"] == "req-2"
+    return r
+
+
+def push_mode() -> Recorder:
+    r = Recorder("push_mode", "Push mode: the decoder pins destination pages, the prefiller "
+                 "WRITEs. A write is refused until an acknowledged heartbeat covers the "
+                 "access-time bound. req-2: the writer vanishes mid-write; at expiry the pinner "
+                 "quarantines the pages (a write may still land) and frees them only after the "
+                 "push guard (max_access_time * (1 + rho)); a local release cannot shorten it.",
+                 BASE, {"D": pinner("decode-0", 0x5EED0006), "P": accessor("prefill-0")},
+                 {"D": 8192.0, "P": 65000.5})
+    t1 = r.at(0.0).step("D", "grant", key="req-1", push=True)["result"]
+    hs = only(r.at(0.0).step("P", "track", key="req-1", ticket=t1, push=True), "HandshakeNeeded")
+    dec = r.at(0.125).step("P", "begin_access", key="req-1")["result"]
+    assert not dec["allowed"] and dec["valid_until"] is None
+    connect(r, "P", "D", hs, 0.25)
+    heartbeat_round(r, "P", ["D"], 0.375)
+    dec = r.at(1.0).step("P", "begin_access", key="req-1")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    fin = r.at(1.25).step("P", "access_finished", key="req-1")
+    assert outs(fin, "AccessCompleted")
+    assert only(r.at(1.5).deliver("D", outs(fin, "Send")[0]), "Free")["reason"] == "access_done"
+    t2 = r.at(2.0).step("D", "grant", key="req-2", push=True)["result"]
+    assert r.at(2.0).step("P", "track", key="req-2", ticket=t2, push=True)["outputs"] == []
+    sends = outs(r.at(2.0).step("P", "handle_timeout", note="a new lease is heartbeated at once"), "Send")
+    assert len(sends) == 1 and sends[0]["message"]["lease_ids"] == [2]
+    ack = only(r.at(2.25).deliver("D", sends[0]), "Send")
+    r.at(2.5).deliver("P", ack)
+    dec = r.at(2.75).step("P", "begin_access", key="req-2")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    # The writer dies here. The lease never shrinks: its expiry is the later of the grant's
+    # (2.0 + duration) and the last heartbeat's (2.25 + extension).
+    expiry = max(2.0 + BASE.kv_lease_duration, 2.25 + BASE.lease_extension)
+    assert r.at(expiry - 0.125).step("D", "handle_timeout")["outputs"] == []
+    assert r.at(expiry).step("D", "handle_timeout", note="expired: quarantined, not freed")["outputs"] == []
+    assert r.at(expiry + 0.125).step("D", "release", lease_id=2)["outputs"] == []
+    guard_end = expiry + BASE.push_guard
+    assert r.at(guard_end - 0.001).step("D", "handle_timeout")["outputs"] == []
+    free = only(r.at(guard_end).step("D", "handle_timeout"), "Free")
+    assert free["reason"] == "expired" and free["key"] == "req-2"
+    return r
+
+
+def fixed_ttl_bidirectional() -> Recorder:
+    r = Recorder("fixed_ttl_bidirectional", "Bidirectional turn 1: the decoder pins its KV for "
+                 "the prefiller under a fixed TTL (20 s) stated in the decoder's clock. The "
+                 "prefiller's clock is ~54,000 s apart; it converts the deadline with the "
+                 "handshake offset, taking the error bound (half the round-trip delay) and the "
+                 "drift factor (1-rho)/(1+rho) against itself, minus the margin. Heartbeats are "
+                 "acknowledged but never extend a fixed lease. req-2 runs out: the accessor gives "
+                 "it up before the pinner frees it.",
+                 BASE, {"D": pinner("decode-0", 0x5EED0007), "P": accessor("prefill-0")},
+                 {"D": 60000.0, "P": 5800.5})
+    t1 = r.at(0.0).step("D", "grant", key="turn1-a", kind=1)["result"]
+    t2 = r.at(0.0).step("D", "grant", key="turn1-b", kind=1, ttl=10.0)["result"]
+    assert t1["deadline"] == r.local("D", 20.0) and t2["deadline"] == r.local("D", 10.0)
+    hs = only(r.at(1.0).step("P", "track", key="turn1-a", ticket=t1), "HandshakeNeeded")
+    r.at(1.0).step("P", "track", key="turn1-b", ticket=t2)
+    # Asymmetric path: 0.1 s there, 0.2 s back: the offset estimate is 0.05 s off, within
+    # the 0.15 s error bound (delay / 2).
+    reply = r.at(1.1).step("D", "handshake", hex=hs["hex"])
+    r.at(1.3).step("P", "handshake_reply", hex=reply["result"]["hex"])
+    dec = r.at(2.0).step("P", "begin_access", key="turn1-a")["result"]
+    true_deadline = r.local("P", 20.0)
+    assert dec["allowed"] and dec["guaranteed"] and dec["valid_until"] < true_deadline - BASE.validity_margin
+    rho = BASE.max_drift_rate
+    est_off = ((r.local("D", 1.1) - r.local("P", 1.0)) + (r.local("D", 1.1) - r.local("P", 1.3))) / 2
+    err = 0.3 / 2 + 2 * rho * (r.local("P", 2.0) - r.local("P", 1.0))
+    now = r.local("P", 2.0)
+    expect_valid = now + (t1["deadline"] - (now + est_off + err)) * (1 - rho) / (1 + rho) - BASE.validity_margin
+    assert abs(dec["valid_until"] - expect_valid) < 1e-6, (dec, expect_valid)
+    fin = r.at(2.5).step("P", "access_finished", key="turn1-a")
+    assert outs(fin, "AccessCompleted")
+    assert only(r.at(2.6).deliver("D", outs(fin, "Send")[0]), "Free")["reason"] == "access_done"
+    # turn1-b: heartbeats are acknowledged (the pinner holds it) but never extend it.
+    acks = heartbeat_round(r, "P", ["D"], 3.0)
+    assert all(a["outputs"] == [] for a in acks)
+    t = 4.0
+    lost_at = None
+    while t < 10.5:
+        # The accessor's driver wakes exactly at next_deadline.
+        resp = r.at(t).step("P", "handle_timeout")
+        if outs(resp, "LeaseLost"):
+            lost_at = t
+            break
+        nd = resp["next_deadline"]
+        for s in outs(resp, "Send"):
+            a = only(r.at(t + 0.1).deliver("D", s), "Send")
+            assert a["message"]["renewed"] == 1
+            nd = r.at(t + 0.2).deliver("P", a)["next_deadline"]
+        t = nd - r.epochs["P"]
+    assert lost_at is not None and lost_at < 10.0 - 0.1, lost_at
+    assert r.at(9.999).step("D", "handle_timeout")["outputs"] == []
+    free = only(r.at(10.0).step("D", "handle_timeout"), "Free")
+    assert free["key"] == "turn1-b" and free["reason"] == "expired"
+    return r
+
+
+def pinner_restart() -> Recorder:
+    r = Recorder("pinner_restart", "The prefill engine restarts (new incarnation, lease ids "
+                 "start again at 1). The accessor's next heartbeat is answered by the new "
+                 "incarnation: it gives up req-1 (pinner_restarted) and re-handshakes. A delayed "
+                 "heartbeat of the old incarnation naming id 1 never renews the new lease 1.",
+                 BASE, {"P": pinner("prefill-0", 0x1111111111111111), "P2": pinner("prefill-0", 0x2222222222222222),
+                        "D": accessor("decode-0")},
+                 {"P": 40000.0, "P2": 40000.0, "D": 2222.25})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.25)
+    heartbeat_round(r, "D", ["P"], 0.375)
+    old_hb = outs(r.at(1.375).step("D", "handle_timeout", note="P crashes before this arrives"), "Send")[0]
+    # P2 is the restarted engine (same engine id, same clock, new incarnation).
+    t2 = r.at(1.5).step("P2", "grant", key="req-2")["result"]
+    assert t2["lease_id"] == t1["lease_id"] == 1
+    ack = only(r.at(1.625).deliver("P2", old_hb, "an old-incarnation heartbeat reaches the new engine"), "Send")
+    assert ack["message"]["unknown"] == [1] and ack["message"]["renewed"] == 0
+    lost = only(r.at(1.875).deliver("D", ack), "LeaseLost")
+    assert lost["reason"] == "pinner_restarted"
+    hs2 = only(r.at(2.0).step("D", "track", key="req-2", ticket=t2), "HandshakeNeeded")
+    connect(r, "D", "P2", hs2, 2.125)
+    heartbeat_round(r, "D", ["P2"], 2.25)
+    # The old heartbeat, duplicated and delayed, arrives again after req-2 was granted.
+    again = only(r.at(2.875).deliver("P2", old_hb, "duplicate of the old heartbeat"), "Send")
+    assert again["message"]["unknown"] == [1]
+    dec = r.at(3.0).step("D", "begin_access", key="req-2")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    assert r.at(6.0).step("P2", "handle_timeout")["outputs"] == []
+    return r
+
+
+def hetero_tp_pinner_wider() -> Recorder:
+    r = Recorder("hetero_tp_pinner_wider", "Prefill TP=2, decode TP=1: the decoder's one worker "
+                 "reads from both prefill workers, heartbeats go to every prefill worker (rank "
+                 "null), validity needs the ack of every rank, and each prefill worker frees on "
+                 "the one access-done it expects.",
+                 BASE, {"P0": pinner("prefill-0", 0x5EED0009, 0, 2), "P1": pinner("prefill-0", 0x5EED0009, 1, 2),
+                        "D": accessor("decode-0")},
+                 {"P0": 9000.0, "P1": 9000.0, "D": 123.0})
+    t = r.at(0.0).step("P0", "grant", key="req-1")["result"]
+    assert r.at(0.0).step("P1", "grant", key="req-1")["result"] == {**t, "engine_id": "prefill-0"}
+    assert t["ranks"] == 2
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t), "HandshakeNeeded")
+    connect(r, "D", "P0", hs, 0.25)
+    hb = r.at(0.375).step("D", "handle_timeout")
+    send = only(hb, "Send")
+    assert send["rank"] is None
+    a0 = only(r.at(0.5).deliver("P0", send), "Send")
+    a1 = only(r.at(0.5).deliver("P1", send), "Send")
+    r.at(0.625).deliver("D", a0)
+    dec = r.at(0.7).step("D", "begin_access", key="req-1", note="rank 1 has not acked yet")["result"]
+    assert dec["allowed"] and not dec["guaranteed"]
+    r.at(0.75).step("D", "access_failed", key="req-1", note="the driver backs off and retries")
+    r.at(0.75).deliver("D", a1)
+    dec = r.at(0.8).step("D", "begin_access", key="req-1")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    fin = r.at(1.0).step("D", "access_finished", key="req-1")
+    sends = outs(fin, "Send")
+    assert [s["rank"] for s in sends] == [0, 1] and outs(fin, "AccessCompleted")
+    assert only(r.at(1.25).deliver("P0", sends[0]), "Free")["reason"] == "access_done"
+    assert only(r.at(1.25).deliver("P1", sends[1]), "Free")["reason"] == "access_done"
+    return r
+
+
+def hetero_tp_accessor_wider() -> Recorder:
+    r = Recorder("hetero_tp_accessor_wider", "Prefill TP=1, decode TP=2: both decode workers "
+                 "heartbeat the one prefill worker (it simply renews twice), and the lease ends "
+                 "only when both have reported their access done (expected=2).",
+                 BASE, {"P": pinner("prefill-0", 0x5EED000A), "D0": accessor("decode-0", 0, 2),
+                        "D1": accessor("decode-0", 1, 2)},
+                 {"P": 555.5, "D0": 70000.0, "D1": 70000.0})
+    t = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs0 = only(r.at(0.0).step("D0", "track", key="req-1", ticket=t), "HandshakeNeeded")
+    hs1 = only(r.at(0.0).step("D1", "track", key="req-1", ticket=t), "HandshakeNeeded")
+    connect(r, "D0", "P", hs0, 0.125)
+    connect(r, "D1", "P", hs1, 0.25)
+    heartbeat_round(r, "D0", ["P"], 0.5)
+    heartbeat_round(r, "D1", ["P"], 1.0)
+    f0 = r.at(1.5).step("D0", "begin_access", key="req-1")["result"]
+    assert f0["guaranteed"]
+    r.at(1.5).step("D1", "begin_access", key="req-1")
+    fin0 = r.at(1.75).step("D0", "access_finished", key="req-1")
+    fin1 = r.at(1.875).step("D1", "access_finished", key="req-1")
+    s0, s1 = outs(fin0, "Send")[0], outs(fin1, "Send")[0]
+    assert s0["message"]["expected"] == 2 and s0["rank"] == 0 and s1["rank"] == 0
+    assert r.at(2.0).deliver("P", s0)["outputs"] == []
+    assert r.at(2.125).deliver("P", s0, "a duplicate from rank 0 does not count twice")["outputs"] == []
+    assert only(r.at(2.25).deliver("P", s1), "Free")["reason"] == "access_done"
+    return r
+
+
+def release() -> Recorder:
+    r = Recorder("release", "Aborts before access. req-1: the decoder untracks it and sends "
+                 "Release; the pinner frees at once. req-2: the prefill engine aborts locally; "
+                 "the next heartbeat's ack tells the decoder it was released. Duplicate releases "
+                 "do nothing.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED000B), "D": accessor("decode-0")},
+                 {"P": 1000.0, "D": 2000.0})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
+    r.at(0.0).step("D", "track", key="req-2", ticket=t2)
+    connect(r, "D", "P", hs, 0.25)
+    heartbeat_round(r, "D", ["P"], 0.375)
+    rel = only(r.at(1.0).step("D", "untrack", key="req-1"), "Send")
+    assert rel["rank"] is None and rel["message"]["type"] == "Release"
+    free = only(r.at(1.125).deliver("P", rel), "Free")
+    assert free["reason"] == "released" and free["key"] == "req-1"
+    assert r.at(1.25).deliver("P", rel, "duplicate Release")["outputs"] == []
+    assert only(r.at(1.3).step("P", "release", lease_id=2), "Free")["reason"] == "released"
+    assert r.at(1.3).step("P", "release", lease_id=2, note="already ended: harmless")["outputs"] == []
+    acks = heartbeat_round(r, "D", ["P"], 1.375)
+    assert len(acks) == 1
+    lost = only(acks[0], "LeaseLost")
+    assert lost["key"] == "req-2" and lost["reason"] == "released"
+    assert r.at(2.0).step("D", "untrack", key="req-2", note="already lost: no-op")["outputs"] == []
+    return r
+
+
+def heartbeat_batching() -> Recorder:
+    cfg = BASE.with_changes(max_message_bytes=128)
+    r = Recorder("heartbeat_batching", "60 leases on one pinner with a 128-byte message bound "
+                 "(a small-notification backend): the accessor splits its heartbeat into several "
+                 "messages, each within the bound, ids delta-encoded; the pinner acks each.",
+                 cfg, {"P": pinner("prefill-0", 0x5EED000C), "D": accessor("decode-0")},
+                 {"P": 300.0, "D": 4000.0})
+    tickets = []
+    for i in range(60):
+        # Gaps of 1 and of 300 exercise one-, two- and three-byte deltas.
+        lid = 1 + i + (300 * i if i % 7 == 0 else 0) + 1000 * (i // 7)
+        tickets.append(r.at(0.0).step("P", "grant", key=f"req-{i}", lease_id=lid)["result"])
+    hs = only(r.at(0.0).step("D", "track", key="req-0", ticket=tickets[0]), "HandshakeNeeded")
+    for i, tk in enumerate(tickets[1:], 1):
+        r.at(0.0).step("D", "track", key=f"req-{i}", ticket=tk)
+    connect(r, "D", "P", hs, 0.25)
+    hb = r.at(0.375).step("D", "handle_timeout")
+    sends = outs(hb, "Send")
+    assert len(sends) >= 2 and all(len(s["hex"]) // 2 <= 128 for s in sends), [len(s["hex"]) for s in sends]
+    acks = [only(r.at(0.5).deliver("P", s), "Send") for s in sends]
+    assert sum(a["message"]["renewed"] for a in acks) == 60
+    for ack in acks:
+        assert r.at(0.625).deliver("D", ack)["outputs"] == []
+    return r
+
+
+def vllm_compat() -> Recorder:
+    cfg = BASE.with_changes(vllm_compat=True)
+    r = Recorder("vllm_compat", "A stock vLLM decoder speaks 'HB:' + ','.join(request ids) and "
+                 "'<request id>:<count>'. The pinner renews by request id, ignores unknown ids, "
+                 "and frees after `count` read-done notifications.",
+                 cfg, {"P": pinner("prefill-0", 0x5EED000D)}, {"P": 12.0})
+    r.at(0.0).step("P", "grant", key="req-1")
+    r.at(0.0).step("P", "grant", key="req-2")
+    r.at(0.0).step("P", "grant", key="req-3")
+    hb = encode_vllm_heartbeat(["req-1", "req-2", "cmpl-unknown"]).hex()
+    res = r.at(3.0).step("P", "receive_vllm", hex=hb)["result"]
+    assert res == {"renewed": 2}
+    free3 = only(r.at(6.0).step("P", "handle_timeout", note="req-3 was never renewed"), "Free")
+    assert free3["key"] == "req-3"
+    assert only(r.at(6.5).step("P", "receive_vllm", hex=encode_vllm_done("req-1", 1).hex()), "Free")["key"] == "req-1"
+    two = encode_vllm_done("req-2", 2).hex()
+    assert r.at(6.75).step("P", "receive_vllm", hex=two, note="first of two readers")["outputs"] == []
+    assert only(r.at(6.8).step("P", "receive_vllm", hex=two), "Free")["key"] == "req-2"
+    assert r.at(7.0).step("P", "receive_vllm", hex=two, note="late: no second free")["outputs"] == []
+    return r
+
+
+def rejections_and_misuse() -> Recorder:
+    r = Recorder("rejections_and_misuse", "Messages that decode but are refused are Rejected "
+                 "outputs (nothing else changes); bytes that do not decode are a DecodeError; "
+                 "local misuse (time running backwards, an id never granted, finishing an access "
+                 "never begun) is a LocalProtocolError and changes nothing.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED000E), "D": accessor("decode-0")},
+                 {"P": 50.0, "D": 60.0})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    wrong = HeartbeatAck("decode-0", 0, 1, 1, 1.0, 1.0, 0)  # type: ignore[arg-type]
+    assert only(r.at(0.5).step("P", "receive", hex=encode(wrong).hex()), "Rejected")["engine_id"] == "decode-0"
+    v2 = Handshake("decode-0", 0, 1, 2, 7, 60.5)  # type: ignore[arg-type]
+    resp = r.at(0.5).step("P", "receive", note="handshake from a future protocol version", hex=encode(v2).hex())
+    assert [o["type"] for o in resp["outputs"]] == ["Rejected", "Send"]
+    bad = r.at(0.5).step("P", "receive", hex="c14b9202")
+    assert bad["error"]["class"] == "DecodeError"
+    assert r.at(0.5).step("P", "receive", hex="4842")["error"]["category"] == "frame"
+    back = r.step("P", "handle_timeout", note="time ran backwards", clock=r.local("P") - 0.25)
+    assert back["error"]["class"] == "LocalProtocolError"
+    assert r.at(0.5).step("P", "release", lease_id=99)["error"]["class"] == "LocalProtocolError"
+    assert r.at(0.5).step("D", "access_finished", key="req-1")["error"]["class"] == "LocalProtocolError"
+    hs = only(r.at(0.5).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
+    assert r.at(0.5).step("D", "track", key="req-1", ticket=t1)["error"]["class"] == "LocalProtocolError"
+    connect(r, "D", "P", hs, 0.75)
+    done = AccessDone("decode-0", 0, 0x5EED000E, 1, 3, False, 61.0)  # type: ignore[arg-type]
+    r.at(1.0).step("P", "receive", hex=encode(done).hex(), note="first access-done fixes expected=3")
+    done2 = AccessDone("decode-0", 1, 0x5EED000E, 1, 2, False, 61.0)  # type: ignore[arg-type]
+    rej = r.at(1.0).step("P", "receive", hex=encode(done2).hex(), note="a rank disagreeing on expected")
+    assert only(rej, "Rejected")
+    hb = Heartbeat("decode-0", 0, 0x5EED000E, 1, 61.0, (1,))  # type: ignore[arg-type]
+    assert only(r.at(0.9 + 0.2).step("D", "receive", hex=encode(hb).hex()), "Rejected")
+    alien = HeartbeatAck("prefill-9", 0, 5, 1, 61.0, 51.0, 1)  # type: ignore[arg-type]
+    assert only(r.at(1.2).step("D", "receive", hex=encode(alien).hex()), "Rejected")["engine_id"] == "prefill-9"
+    forged = AccessDoneAck("prefill-0", 0, 0x5EED000E, 1, AccessOutcome.OK)
+    assert r.at(1.3).step("D", "receive", hex=encode(forged).hex(), note="an unasked confirmation is ignored")["outputs"] == []
+    assert Release and HandshakeReply  # imported for the codec vectors below
+    return r
+
+
+# -- codec vectors ----------------------------------------------------------------------------
+
+
+def codec_cases() -> dict[str, Any]:
+    from kvlease import decode, decode_vllm
+
+    valid_msgs = [
+        ("handshake", Handshake("decode-0", 1, 2, 1, 7, 98333.25)),  # type: ignore[arg-type]
+        ("handshake_reply", HandshakeReply("prefill-0", 0, 2, 0x5EED0001, 1, 7, 1024, 98333.25, 14021.875, 14021.875)),  # type: ignore[arg-type]
+        ("heartbeat", Heartbeat("decode-0", 0, 0x5EED0001, 3, 98334.0, (1, 2, 3, 300, 70000, 2**63))),  # type: ignore[arg-type]
+        ("heartbeat_ack", HeartbeatAck("prefill-0", 1, 0x5EED0001, 3, 98334.0, 14022.5, 2, (7,), (8, 9), (), (12,))),  # type: ignore[arg-type]
+        ("access_done", AccessDone("decode-0", 1, 2**64 - 1, 42, 2, True, 98335.5)),  # type: ignore[arg-type]
+        ("access_done_ack", AccessDoneAck("prefill-0", 0, 5, 42, AccessOutcome.STALE)),
+        ("release", Release("decode-0", 0, 5, (4, 5, 900))),
+        ("heartbeat_empty_ids", Heartbeat("d", 0, 0, 0, 0.0, ())),  # type: ignore[arg-type]
+    ]
+    cases: list[dict[str, Any]] = []
+    for name, msg in valid_msgs:
+        data = encode(msg)
+        assert decode(data) == msg
+        cases.append({"name": name, "codec": "native", "hex": data.hex(), "expect": {"message": message_to_json(msg)}})
+    for name, raw in [
+        ("vllm_heartbeat", encode_vllm_heartbeat(["cmpl-1", "cmpl-2:x"])),
+        ("vllm_done", encode_vllm_done("cmpl-7", 4)),
+        ("vllm_done_id_with_colon_last_wins", b"a:b:3"),
+    ]:
+        cases.append({"name": name, "codec": "vllm", "hex": raw.hex(), "expect": {"message": message_to_json(decode_vllm(raw))}})
+
+    import msgpack
+
+    def frame(*items: Any) -> bytes:
+        return b"\xc1\x4b" + msgpack.packb(list(items), use_bin_type=True)
+
+    hb_ok = ["decode-0", 0, 1, 1, 1.0, [1, 2]]
+    bad: list[tuple[str, str, bytes, list[str]]] = [
+        ("empty", "native", b"", ["frame"]),
+        ("wrong_magic", "native", b"\xc1\x4c" + msgpack.packb([1, 3]), ["frame"]),
+        ("vllm_bytes_to_native", "native", b"HB:req-1", ["frame"]),
+        ("magic_only", "native", b"\xc1\x4b", ["body"]),
+        ("truncated_body", "native", encode(valid_msgs[2][1])[:-3], ["body"]),
+        ("trailing_bytes", "native", encode(valid_msgs[2][1]) + b"\x00", ["body"]),
+        ("not_an_array", "native", b"\xc1\x4b" + msgpack.packb(7), ["body"]),
+        ("array_too_short", "native", frame(1), ["body"]),
+        ("map_body", "native", b"\xc1\x4b" + msgpack.packb({"v": 1}), ["body"]),
+        ("version_2", "native", frame(2, 3, *hb_ok), ["version"]),
+        ("version_0", "native", frame(0, 3, *hb_ok), ["version"]),
+        ("version_bool", "native", frame(True, 3, *hb_ok), ["version"]),
+        ("type_unknown", "native", frame(1, 99, *hb_ok), ["type"]),
+        ("type_zero", "native", frame(1, 0, *hb_ok), ["type"]),
+        ("arity_short", "native", frame(1, 3, *hb_ok[:-1]), ["arity"]),
+        ("arity_long", "native", frame(1, 3, *hb_ok, 0), ["arity"]),
+        ("engine_empty", "native", frame(1, 3, "", 0, 1, 1, 1.0, [1]), ["field"]),
+        ("engine_not_str", "native", frame(1, 3, 5, 0, 1, 1, 1.0, [1]), ["field"]),
+        ("engine_too_long", "native", frame(1, 3, "e" * 257, 0, 1, 1, 1.0, [1]), ["body", "field"]),
+        ("engine_binary", "native", frame(1, 3, b"decode-0", 0, 1, 1, 1.0, [1]), ["body", "field"]),
+        ("rank_negative", "native", frame(1, 3, "d", -1, 1, 1, 1.0, [1]), ["field"]),
+        ("rank_bool", "native", frame(1, 3, "d", True, 1, 1, 1.0, [1]), ["field"]),
+        ("rank_float", "native", frame(1, 3, "d", 0.0, 1, 1, 1.0, [1]), ["field"]),
+        ("time_nan", "native", frame(1, 3, "d", 0, 1, 1, float("nan"), [1]), ["field"]),
+        ("time_inf", "native", frame(1, 3, "d", 0, 1, 1, float("inf"), [1]), ["field"]),
+        ("time_string", "native", frame(1, 3, "d", 0, 1, 1, "1.0", [1]), ["field"]),
+        ("ids_zero_gap", "native", frame(1, 3, "d", 0, 1, 1, 1.0, [5, 0]), ["field"]),
+        ("ids_negative", "native", frame(1, 3, "d", 0, 1, 1, 1.0, [-5]), ["field"]),
+        ("ids_overflow_u64", "native", frame(1, 3, "d", 0, 1, 1, 1.0, [2**64 - 1, 1]), ["field"]),
+        ("ids_not_array", "native", frame(1, 3, "d", 0, 1, 1, 1.0, 5), ["field"]),
+        ("handshake_ranks_zero", "native", frame(1, 1, "d", 0, 0, 1, 7, 1.0), ["field"]),
+        ("access_done_expected_zero", "native", frame(1, 5, "d", 0, 1, 1, 0, False, 1.0), ["field"]),
+        ("access_done_confirm_int", "native", frame(1, 5, "d", 0, 1, 1, 1, 0, 1.0), ["field"]),
+        ("access_done_ack_outcome_3", "native", frame(1, 6, "p", 0, 1, 1, 3), ["field"]),
+        ("vllm_empty", "vllm", b"", ["frame"]),
+        ("vllm_not_utf8", "vllm", b"HB:\xff\xfe", ["frame"]),
+        ("vllm_no_colon", "vllm", b"req-1", ["frame"]),
+        ("vllm_heartbeat_empty_id", "vllm", b"HB:a,,b", ["field"]),
+        ("vllm_done_count_zero", "vllm", b"req-1:0", ["field"]),
+        ("vllm_done_count_huge", "vllm", b"req-1:65537", ["field"]),
+        ("vllm_done_count_not_digits", "vllm", b"req-1:x1", ["field"]),
+        ("vllm_done_empty_id", "vllm", b":3", ["frame"]),
+    ]
+    for name, codec, raw, cats in bad:
+        fn = decode if codec == "native" else decode_vllm
+        try:
+            fn(raw)
+        except Exception as exc:
+            from kvlease import DecodeError
+            from kvlease.conformance import decode_error_category
+
+            assert isinstance(exc, DecodeError), (name, exc)
+            assert decode_error_category(str(exc)) in cats, (name, str(exc), cats)
+        else:
+            raise AssertionError(f"{name} decoded")
+        cases.append({"name": name, "codec": codec, "hex": raw.hex(),
+                      "expect": {"error": {"class": "DecodeError", "category": cats}}})
+    return {
+        "format": VECTOR_FORMAT, "kind": "codec", "name": "codec",
+        "description": "Exact bytes of every message type (decode must yield exactly these "
+        "fields) and malformed byte strings that must be rejected with DecodeError of the given "
+        "category (any one of those listed).",
+        "cases": cases,
+    }
+
+
+SCENARIOS = [
+    happy_pull, overload_long_queue, accessor_crash_expiry, late_read, late_read_confirmed,
+    push_mode, fixed_ttl_bidirectional, pinner_restart, hetero_tp_pinner_wider,
+    hetero_tp_accessor_wider, release, heartbeat_batching, vllm_compat, rejections_and_misuse,
+]
+
+
+def render(vector: dict[str, Any]) -> str:
+    return json.dumps(vector, indent=1) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if a committed vector would change")
+    ns = ap.parse_args()
+    vectors = [s().vector() for s in SCENARIOS] + [codec_cases()]
+    stale = []
+    for v in vectors:
+        path = HERE / f"{v['name']}.json"
+        text = render(v)
+        if ns.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text)
+    if stale:
+        print("out of date:", ", ".join(stale), file=sys.stderr)
+        return 1
+    print(f"{'checked' if ns.check else 'wrote'} {len(vectors)} vectors in {HERE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
