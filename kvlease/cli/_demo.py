@@ -1,0 +1,421 @@
+"""`kvlease demo`: a pinner (P) and an accessor (D) as two real OS processes on loopback.
+
+This module owns the command's options and their validation, the orchestration of the two
+child processes per scenario (spawn, watch, SIGKILL D in the crash scenario, and always kill
+and reap them in ``finally``, on Ctrl-C and on SIGTERM too), the rich live view, the summary
+table, ``--json`` output and ``--metrics-port``. The process bodies are in `_demo_proc`, the
+wire in `_demo_link` / `_demo_nixl`, the scenarios and their bounds in `_demo_scenarios`.
+It never decides anything about a lease: the core in each child does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import click
+
+from kvlease import ConfigError, LeaseConfig
+
+from ._demo_scenarios import SCENARIOS, Bounds, ScenarioResult, ScenarioRun, evaluate, scenario_spec
+
+__all__ = ["demo"]
+
+log = logging.getLogger("kvlease.demo")
+
+TICK = 0.02
+BLOCK_SIZE = 4096
+
+
+class _Child:
+    def __init__(self, role: str, spec: dict[str, Any], events: queue.Queue[tuple[str, dict[str, Any]]], env: dict[str, str]) -> None:
+        self.role = role
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvlease.cli._demo_proc", role, json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
+        self.exited = threading.Event()
+        self._thread = threading.Thread(target=self._pump, args=(self.proc.stdout, events), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: IO[str] | None, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
+        assert stream is not None
+        for line in stream:
+            try:
+                events.put((self.role, json.loads(line)))
+            except json.JSONDecodeError:
+                log.warning("%s printed a non-event line: %r", self.role, line)
+        self.exited.set()
+        events.put((self.role, {"ev": "eof", "t": time.monotonic()}))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._thread.join(timeout=2.0)
+
+
+def _child_env(transport: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if transport == "nixl":
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        env.setdefault("UCX_TLS", "tcp,cma,self,sm")
+    return env
+
+
+class _Metrics:
+    """Per-role `TransportStats` mirrored from the children's reports, served over HTTP."""
+
+    def __init__(self, port: int) -> None:
+        from ..transports._stats import TransportStats
+        from ..transports.metrics import LeaseStatsCollector, start_http_server
+
+        self.stats = {"pinner": TransportStats(), "accessor": TransportStats()}
+        self.base: dict[str, dict[str, float]] = {"pinner": {}, "accessor": {}}
+        self.last: dict[str, dict[str, float]] = {"pinner": {}, "accessor": {}}
+        self.collector = LeaseStatsCollector(
+            {("prefill-0", "0", "pinner"): self.stats["pinner"], ("decode-0", "0", "accessor"): self.stats["accessor"]},
+            label_names=("engine_id", "rank", "role"),
+        )
+        _, self.server = start_http_server(self.collector, port)
+        self.port: int = self.server.server_address[1]
+
+    def update(self, role: str, snap: dict[str, float]) -> None:
+        # Counters accumulate across scenarios (each scenario's processes start from zero).
+        stats = self.stats[role]
+        self.last[role] = snap
+        for name, v in snap.items():
+            if hasattr(stats, name) and name != "rtt_samples":
+                total = self.base[role].get(name, 0) + v
+                setattr(stats, name, int(total) if name != "bytes_pinned" else int(v))
+
+    def scenario_done(self) -> None:
+        for role in self.base:
+            for name, v in self.last[role].items():
+                if name != "bytes_pinned":
+                    self.base[role][name] = self.base[role].get(name, 0) + v
+            self.last[role] = {}
+
+    def rtt(self, seconds: float) -> None:
+        self.stats["accessor"].record_rtt(seconds)
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def _expected_duration(name: str, config: LeaseConfig) -> float:
+    spec = scenario_spec(name, config)
+    if name == "happy":
+        return 1.0
+    if name == "overload":
+        return float(spec["queue_time"]) + 0.5
+    if name == "crash":
+        return float(spec["kill_after"]) + config.lease_extension + 0.5
+    if name == "partition":
+        return float(spec["partition_end"]) + 0.5
+    return config.kv_lease_duration + 1.0
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM takes the same clean path as Ctrl-C: children killed and reaped in finally."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run_scenario(
+    name: str,
+    transport: str,
+    config: LeaseConfig,
+    requests: int,
+    log_level: str,
+    view: Any,
+    metrics: _Metrics | None,
+) -> ScenarioRun:
+    blocks_per = 16
+    epochs = {"pinner": random.uniform(1e4, 2e5), "accessor": random.uniform(1e4, 2e5)}
+    base_spec: dict[str, Any] = {
+        "scenario": name,
+        "transport": transport,
+        "config": {"kv_lease_duration": config.kv_lease_duration, "max_access_time": config.max_access_time},
+        "requests": requests,
+        "block_size": BLOCK_SIZE,
+        "blocks_per_request": blocks_per,
+        "pool_blocks": requests * blocks_per,
+        "tick": TICK,
+        "log_level": log_level,
+        **scenario_spec(name, config),
+    }
+    run = ScenarioRun(name, transport, requests, blocks_per, epochs, started=time.monotonic())
+    events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+    env = _child_env(transport)
+    children: list[_Child] = []
+    deadline = time.monotonic() + 2 * _expected_duration(name, config) + 20.0
+    try:
+        pinner = _Child("pinner", {**base_spec, "role": "pinner", "epoch": epochs["pinner"]}, events, env)
+        children.append(pinner)
+        accessor: _Child | None = None
+        exited: set[str] = set()
+        grant_time: float | None = None
+        while len(exited) < 2:
+            if time.monotonic() > deadline:
+                run.timed_out = True
+                break
+            try:
+                role, ev = events.get(timeout=0.05)
+            except queue.Empty:
+                role, ev = "", {}
+            kind = ev.get("ev")
+            if kind == "ready" and role == "pinner":
+                accessor = _Child(
+                    "accessor",
+                    {**base_spec, "role": "accessor", "epoch": epochs["accessor"], "endpoint": ev["endpoint"]},
+                    events,
+                    env,
+                )
+                children.append(accessor)
+            elif kind == "eof":
+                exited.add(role)
+                if role == "pinner" and accessor is None:
+                    run.errors.append("the pinner process exited before it was ready")
+                    break
+            elif kind == "stats" and metrics is not None:
+                metrics.update(role, ev["stats"])
+            elif kind == "rtt" and metrics is not None:
+                metrics.rtt(float(ev["seconds"]))
+            if kind:
+                run.feed(role, ev)
+            if kind == "grant" and grant_time is None:
+                grant_time = ev["t"]
+            if (
+                name == "crash"
+                and accessor is not None
+                and run.kill_time is None
+                and grant_time is not None
+                and len(run.tracked) == requests
+                and time.monotonic() >= grant_time + float(base_spec["kill_after"])
+            ):
+                run.kill_time = time.monotonic()
+                os.kill(accessor.proc.pid, signal.SIGKILL)
+                log.warning("demo: SIGKILLed the accessor (pid %d) mid-flight", accessor.proc.pid)
+            view.update(run)
+        for child in children:
+            child.proc.wait(timeout=5.0) if not run.timed_out else None
+            rc = child.proc.returncode
+            if rc not in (0, None) and not (child.role == "accessor" and run.kill_time is not None):
+                run.errors.append(f"the {child.role} process exited with status {rc}")
+    finally:
+        for child in children:
+            child.kill()
+        # Drain what the children said after the loop stopped.
+        while True:
+            try:
+                role, ev = events.get_nowait()
+            except queue.Empty:
+                break
+            if ev.get("ev") not in ("eof", None):
+                run.feed(role, ev)
+        if metrics is not None:
+            metrics.scenario_done()
+    run.finished = time.monotonic()
+    return run
+
+
+class _View:
+    """The rich live view: a progress bar over scenarios and a table of blocks per state."""
+
+    def __init__(self, enabled: bool, scenarios: list[str], config: LeaseConfig) -> None:
+        self.enabled = enabled
+        self._live: Any = None
+        self._config = config
+        self._scenarios = scenarios
+        if not enabled:
+            return
+        from rich.console import Group
+        from rich.live import Live
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+            TimeElapsedColumn(),
+        )
+        self.task = self.progress.add_task("scenarios", total=len(scenarios))
+        self._group = Group
+        self._run: ScenarioRun | None = None
+        self._last = 0.0
+        self._live = Live(self._render(), refresh_per_second=8, transient=False)
+
+    def _render(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title="pinned KV blocks per state", expand=False)
+        table.add_column("scenario")
+        table.add_column("state")
+        table.add_column("blocks", justify="right")
+        run = self._run if self.enabled else None
+        if run is not None:
+            for state, count in run.block_states(time.monotonic()).items():
+                table.add_row(run.name, state, str(count))
+            reads = run.reads
+            valid = sum(1 for r in reads.values() if r["verdict"] == "valid")
+            caught = sum(1 for r in reads.values() if r["verdict"] in ("stale", "refused"))
+            table.add_row(run.name, "reads valid / stale caught", f"{valid} / {caught}")
+            table.add_row(run.name, "heartbeats at P", str(len(run.heartbeats_at_pinner)))
+        return self._group(self.progress, table)
+
+    def __enter__(self) -> _View:
+        if self._live is not None:
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(None, None, None)
+
+    def start(self, name: str) -> None:
+        if self.enabled:
+            self.progress.update(self.task, description=f"scenario {name}: {SCENARIOS[name]}")
+
+    def update(self, run: ScenarioRun) -> None:
+        if not self.enabled:
+            return
+        self._run = run
+        now = time.monotonic()
+        if now - self._last > 0.1:
+            self._last = now
+            self._live.update(self._render())
+
+    def done(self) -> None:
+        if self.enabled:
+            self.progress.advance(self.task)
+            self._live.update(self._render())
+
+
+def _summary_table(results: list[ScenarioResult], config: LeaseConfig, bounds: Bounds) -> Any:
+    from rich.table import Table
+
+    t = Table(
+        title=f"kvlease demo: lease {config.kv_lease_duration:g} s, heartbeat every {bounds.interval:.3g} s, "
+        f"extension {bounds.extension:.3g} s",
+    )
+    t.add_column("scenario", style="bold")
+    t.add_column("transport")
+    t.add_column("kvlease (measured)")
+    t.add_column("baseline it replaces")
+    t.add_column("claims")
+    for r in results:
+        broken = [c for c in r.claims if not c.ok]
+        status = f"[green]{len(r.claims)}/{len(r.claims)} ok[/]" if not broken else "[red]BROKEN: " + "; ".join(
+            f"{c.name} ({c.detail})" for c in broken) + "[/]"
+        t.add_row(r.name, r.transport, r.kvlease, r.baseline, status)
+    return t
+
+
+def _check_transport(transport: str) -> None:
+    if transport == "nixl":
+        try:
+            import nixl._api  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError as exc:
+            raise click.UsageError(
+                f"--transport nixl needs NIXL and torch ({exc}); install the extra: pip install 'kvlease[nixl]'"
+            ) from None
+    else:
+        try:
+            import zmq  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--transport zmq needs pyzmq; install the extra: pip install 'kvlease[zmq]'") from None
+
+
+@click.command()
+@click.option("--scenario", "scenario", type=click.Choice([*SCENARIOS, "all"]), default="all", show_default=True,
+              help="Which scenario to play.")
+@click.option("--lease", "lease", type=float, default=2.5, show_default=True,
+              help="Initial lease (kv_lease_duration), seconds; heartbeat interval and extension derive from it.")
+@click.option("--requests", "requests", type=int, default=8, show_default=True, help="Requests (leases) per scenario.")
+@click.option("--transport", "transport", type=click.Choice(["zmq", "nixl"]), default="zmq", show_default=True,
+              help="ZMQ on loopback, or NIXL over UCX with real registered memory.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable results instead of the tables.")
+@click.option("--metrics-port", "metrics_port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics of both processes on 127.0.0.1:PORT during the run.")
+@click.option("--log-level", "log_level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+              default="error", show_default=True, help="Log level of the demo and its processes (stderr).")
+def demo(scenario: str, lease: float, requests: int, transport: str, as_json: bool, metrics_port: int | None,
+         log_level: str) -> None:
+    """Run a pinner (P) and an accessor (D) as two OS processes on loopback and play the lease
+    scenarios, each beside the baseline it replaces. Exits non-zero if any safety or liveness
+    claim (checked against bounds derived from the lease configuration) was broken."""
+    if not lease > 0 or lease != lease or lease == float("inf"):
+        raise click.BadParameter(f"must be a positive number of seconds, got {lease}", param_hint="'--lease'")
+    if requests < 1 or requests > 4096:
+        raise click.BadParameter(f"must be between 1 and 4096, got {requests}", param_hint="'--requests'")
+    _check_transport(transport)
+    level = log_level.upper()
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s demo %(levelname)s %(name)s: %(message)s")
+    try:
+        config = LeaseConfig(kv_lease_duration=lease, max_access_time=min(2.0, lease / 10))
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--lease'") from None
+    bounds = Bounds.from_config(config, TICK)
+    names = list(SCENARIOS) if scenario == "all" else [scenario]
+    metrics = _Metrics(metrics_port) if metrics_port is not None else None
+    if metrics is not None and not as_json:
+        click.echo(f"metrics: http://127.0.0.1:{metrics.port}/metrics", err=True)
+    results: list[ScenarioResult] = []
+    interactive = not as_json and sys.stdout.isatty()
+    try:
+        with _sigterm_as_interrupt(), _View(interactive, names, config) as view:
+            for name in names:
+                view.start(name)
+                run = _run_scenario(name, transport, config, requests, level, view, metrics)
+                results.append(evaluate(run, config, bounds))
+                view.done()
+    except KeyboardInterrupt:
+        click.echo("interrupted: child processes stopped", err=True)
+        sys.exit(130)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    ok = all(r.ok for r in results)
+    if as_json:
+        out = {
+            "ok": ok,
+            "transport": transport,
+            "config": {"kv_lease_duration": config.kv_lease_duration, "heartbeat_interval": bounds.interval,
+                       "lease_extension": bounds.extension, "accessor_extension": bounds.accessor_extension,
+                       "max_access_time": config.max_access_time},
+            "bounds": {"reclaim_s": bounds.reclaim, "slack_s": bounds.slack},
+            "scenarios": [r.to_json() for r in results],
+        }
+        click.echo(json.dumps(out, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(_summary_table(results, config, bounds))
+        for r in results:
+            for c in r.claims:
+                if not c.ok:
+                    click.echo(f"BROKEN {c.kind} claim in {r.name}: {c.name}: {c.detail}", err=True)
+    if not ok:
+        sys.exit(1)

@@ -1,0 +1,304 @@
+"""The demo's scenarios: their parameters, the protocol bounds they are judged against, and the
+evaluation of what the two processes reported.
+
+Everything here is computed from a `LeaseConfig` and the events the processes reported (each
+stamped with the system-wide monotonic clock, so P's and D's reports are comparable even though
+the protocol itself saw clocks with different epochs). No hard-coded figures: a claim's bound is
+derived from the configuration the run used. This module does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import attrs
+
+from kvlease import LeaseConfig
+
+__all__ = ["SCENARIOS", "Bounds", "Claim", "ScenarioResult", "ScenarioRun", "evaluate", "scenario_spec"]
+
+#: name -> one-line description, in the order the demo plays them.
+SCENARIOS: dict[str, str] = {
+    "happy": "D reads, P frees on access-done",
+    "overload": "D keeps requests queued past the initial lease while heartbeating",
+    "crash": "D is SIGKILLed mid-flight; P reclaims after the last heartbeat",
+    "partition": "heartbeats stop reaching P; the lease expires; D's late read is caught",
+    "bidirectional": "fixed TTL across clocks with different epochs (turn 2)",
+}
+
+#: vLLM's fixed abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): the baseline for a dead D.
+BASELINE_FIXED_TIMEOUT = 480.0
+
+
+@attrs.frozen
+class Bounds:
+    """The protocol bounds a run is checked against, from its `LeaseConfig`."""
+
+    lease: float
+    interval: float
+    extension: float
+    accessor_extension: float
+    #: Allowance for the driver's timer tick and OS scheduling on a loaded machine (a
+    #: parameter of the demo's drivers, not of the protocol).
+    slack: float
+
+    @classmethod
+    def from_config(cls, config: LeaseConfig, tick: float) -> Bounds:
+        return cls(
+            lease=config.kv_lease_duration,
+            interval=config.heartbeat_interval,
+            extension=config.lease_extension,
+            accessor_extension=config.accessor_extension,
+            slack=tick + 0.25,
+        )
+
+    @property
+    def reclaim(self) -> float:
+        """Liveness: a dead accessor's memory is freed within ``extension + interval`` (+ the
+        driver's tick) of its last heartbeat (spec, "Liveness")."""
+        return self.extension + self.interval + self.slack
+
+
+@attrs.frozen
+class Claim:
+    name: str
+    ok: bool
+    detail: str
+    kind: str = "safety"  # or "liveness"
+
+
+@attrs.define
+class ScenarioResult:
+    name: str
+    transport: str
+    figures: dict[str, Any] = attrs.field(factory=dict)
+    claims: list[Claim] = attrs.field(factory=list)
+    kvlease: str = ""
+    baseline: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.claims)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.name,
+            "transport": self.transport,
+            "ok": self.ok,
+            "figures": self.figures,
+            "kvlease": self.kvlease,
+            "baseline": self.baseline,
+            "claims": [attrs.asdict(c) for c in self.claims],
+        }
+
+
+def scenario_spec(name: str, config: LeaseConfig) -> dict[str, Any]:
+    """Scenario timing, relative to when D starts tracking, derived from the lease."""
+    spec: dict[str, Any] = {}
+    if name == "overload":
+        spec["queue_time"] = 2.5 * config.kv_lease_duration  # well past the initial lease
+    elif name == "partition":
+        # Start after the first acknowledged heartbeat; end once P must have expired it.
+        spec["partition_start"] = max(0.3, config.heartbeat_interval * 0.5)
+        spec["partition_end"] = spec["partition_start"] + config.lease_extension + config.heartbeat_interval + 0.3
+    elif name == "crash":
+        spec["kill_after"] = max(0.5, config.heartbeat_interval * 1.5)
+    return spec
+
+
+@attrs.define
+class ScenarioRun:
+    """Everything the parent observed during one scenario, fed event by event."""
+
+    name: str
+    transport: str
+    requests: int
+    blocks_per_request: int
+    epochs: dict[str, float]
+    grants: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    frees: dict[str, list[dict[str, Any]]] = attrs.field(factory=lambda: defaultdict(list))
+    reads: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    read_starts: dict[str, float] = attrs.field(factory=dict)
+    baseline_reads: dict[str, bool] = attrs.field(factory=dict)
+    lost: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    valid_until: dict[str, float] = attrs.field(factory=dict)
+    heartbeats_at_pinner: list[float] = attrs.field(factory=list)
+    rtts: list[float] = attrs.field(factory=list)
+    tracked: set[str] = attrs.field(factory=set)
+    kill_time: float | None = None
+    started: float = 0.0
+    finished: float | None = None
+    timed_out: bool = False
+    errors: list[str] = attrs.field(factory=list)
+
+    def feed(self, role: str, ev: dict[str, Any]) -> None:
+        kind, t = ev["ev"], ev["t"]
+        key = ev.get("key")
+        if kind == "grant":
+            self.grants[key] = ev
+        elif kind == "free":
+            self.frees[key].append(ev)
+        elif kind == "heartbeat":
+            self.heartbeats_at_pinner.append(t)
+        elif kind == "track":
+            self.tracked.add(key)
+        elif kind == "read_start":
+            self.read_starts[key] = t
+        elif kind == "read":
+            self.reads[key] = ev
+        elif kind == "baseline_read":
+            self.baseline_reads[key] = bool(ev["content_ok"])
+        elif kind == "lost":
+            self.lost[key] = ev
+        elif kind == "valid_until":
+            self.valid_until[key] = max(self.valid_until.get(key, float("-inf")), float(ev["real"]))
+        elif kind == "rtt":
+            self.rtts.append(float(ev["seconds"]))
+
+    # -- the live view's numbers ----------------------------------------------------------------
+
+    def block_states(self, now: float) -> dict[str, int]:
+        """Blocks per state, for the live table."""
+        b = self.blocks_per_request
+        out = {"pinned, awaiting read": 0, "freed: access done": 0, "freed: expired": 0, "freed: released": 0}
+        for key in self.grants:
+            frees = self.frees.get(key)
+            if not frees:
+                out["pinned, awaiting read"] += b
+            else:
+                out[{"access_done": "freed: access done", "expired": "freed: expired"}.get(
+                    frees[0]["reason"], "freed: released")] += b
+        return out
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def evaluate(run: ScenarioRun, config: LeaseConfig, bounds: Bounds) -> ScenarioResult:
+    """Judge one scenario against the protocol's bounds; fill figures and claims."""
+    res = ScenarioResult(run.name, run.transport)
+    f = res.figures
+    n, b = run.requests, run.blocks_per_request
+    claims = res.claims
+
+    def claim(name: str, ok: bool, detail: str, kind: str = "safety") -> None:
+        claims.append(Claim(name, bool(ok), detail, kind))
+
+    claim("finished", not run.timed_out and not run.errors and len(run.grants) == n,
+          "; ".join(run.errors) or ("timed out" if run.timed_out else f"{len(run.grants)}/{n} leases granted"),
+          "liveness")
+    valid = {k for k, r in run.reads.items() if r["verdict"] == "valid"}
+    caught = {k for k, r in run.reads.items() if r["verdict"] in ("stale", "refused")}
+    corrupt = sorted(k for k in valid if not run.reads[k].get("content_ok"))
+    f["requests"] = n
+    f["blocks_per_request"] = b
+    f["reads_valid"] = len(valid)
+    f["stale_reads_caught"] = len(caught)
+    f["corrupt_reads_handed_over"] = len(corrupt)
+    reasons: dict[str, int] = defaultdict(int)
+    for evs in run.frees.values():
+        for ev in evs:
+            reasons[ev["reason"]] += 1
+    f["frees"] = dict(reasons)
+    f["heartbeats_at_pinner"] = len(run.heartbeats_at_pinner)
+    med = _median(run.rtts)
+    f["heartbeat_rtt_median_ms"] = None if med is None else round(med * 1e3, 3)
+
+    # Safety, whatever the scenario.
+    claim("exactly one free per lease", all(len(v) == 1 for v in run.frees.values()),
+          f"{sum(len(v) for v in run.frees.values())} frees for {len(run.frees)} leases")
+    claim("no overwritten KV handed over as valid", not corrupt, f"corrupt valid reads: {corrupt}" if corrupt else "0")
+    overlap = []
+    believed_after_free = []
+    for key, evs in run.frees.items():
+        free_t = evs[0]["t"]
+        if evs[0]["reason"] != "access_done" and key in valid and run.reads[key]["t"] > free_t:
+            overlap.append(key)
+        if evs[0]["reason"] != "access_done" and run.valid_until.get(key, float("-inf")) > free_t:
+            believed_after_free.append((key, round(run.valid_until[key] - free_t, 4)))
+    claim("no valid access overlaps a free", not overlap, f"overlapping: {overlap}" if overlap else "0")
+    claim("accessor never believes a lease valid after the pinner freed it", not believed_after_free,
+          f"(key, seconds too late): {believed_after_free}" if believed_after_free else "0")
+
+    pinned_bs = 0.0
+    for key, g in run.grants.items():
+        evs = run.frees.get(key)
+        end = evs[0]["t"] if evs else (run.finished or g["t"])
+        pinned_bs += b * (end - g["t"])
+    f["pinned_block_seconds"] = round(pinned_bs, 2)
+
+    if run.name == "happy":
+        claim("every read valid", len(valid) == n, f"{len(valid)}/{n}", "liveness")
+        claim("freed on access-done", reasons.get("access_done", 0) == n, f"{dict(reasons)}", "liveness")
+        res.kvlease = f"{len(valid)}/{n} reads valid, {reasons.get('access_done', 0)} freed on access-done"
+        res.baseline = "same (frees on read-done)"
+    elif run.name == "overload":
+        queue = float(scenario_spec("overload", config)["queue_time"])
+        false_frees = reasons.get("expired", 0) + reasons.get("released", 0)
+        f["queue_time_s"] = queue
+        f["false_frees"] = false_frees
+        baseline_lost = sum(1 for _ in range(n)) if queue > config.kv_lease_duration else 0
+        f["baseline_prefills_lost"] = baseline_lost
+        claim("no false frees while D heartbeats", false_frees == 0, f"{false_frees}", "liveness")
+        claim("every read valid after queueing past the lease", len(valid) == n, f"{len(valid)}/{n}", "liveness")
+        res.kvlease = f"queued {queue:.1f} s (lease {config.kv_lease_duration:g} s): {len(valid)}/{n} reads valid, 0 freed" \
+            if false_frees == 0 else f"{false_frees} false frees"
+        res.baseline = f"fixed {config.kv_lease_duration:g} s timeout: {baseline_lost}/{n} prefills lost"
+    elif run.name == "crash":
+        kill = run.kill_time
+        last_hb = max((t for t in run.heartbeats_at_pinner if kill is None or t <= kill + 0.05), default=None)
+        free_ts = [evs[0]["t"] for evs in run.frees.values()]
+        expired = reasons.get("expired", 0)
+        claim("every lease of the dead accessor reclaimed by expiry", expired == n, f"{expired}/{n}", "liveness")
+        if kill is not None and free_ts and last_hb is not None:
+            reclaim_hb = max(free_ts) - last_hb
+            reclaim_kill = max(free_ts) - kill
+            dead_bs = sum(b * max(t - kill, 0.0) for t in free_ts)
+            base_bs = sum(b * (g["t"] + BASELINE_FIXED_TIMEOUT - kill) for g in run.grants.values())
+            f.update(reclaim_after_last_heartbeat_s=round(reclaim_hb, 3), reclaim_after_kill_s=round(reclaim_kill, 3),
+                     reclaim_bound_s=round(bounds.reclaim, 3), dead_block_seconds=round(dead_bs, 1),
+                     baseline_dead_block_seconds=round(base_bs, 1))
+            claim("reclaimed within extension + interval of the last heartbeat", reclaim_hb <= bounds.reclaim,
+                  f"{reclaim_hb:.3f} s <= {bounds.reclaim:.3f} s", "liveness")
+            res.kvlease = f"reclaimed {reclaim_kill:.2f} s after kill: {dead_bs:.0f} dead block-s"
+            res.baseline = f"{BASELINE_FIXED_TIMEOUT:g} s timeout: {base_bs:.0f} dead block-s"
+        else:
+            claim("D was killed and P reclaimed", False, f"kill={kill} frees={len(free_ts)} last_hb={last_hb}", "liveness")
+    elif run.name == "partition":
+        expired = reasons.get("expired", 0)
+        base_corrupt = sum(1 for ok in run.baseline_reads.values() if not ok)
+        f["baseline_corrupt_reads"] = base_corrupt
+        f["late_reads_attempted"] = len(run.reads)
+        claim("every late read caught (not handed over)", len(caught) == n and not valid, f"{len(caught)}/{n} caught")
+        claim("P reclaimed the partitioned leases by expiry", expired == n, f"{expired}/{n}", "liveness")
+        last_hb = max(run.heartbeats_at_pinner, default=None)
+        if last_hb is not None and expired:
+            reclaim = max(evs[0]["t"] for evs in run.frees.values()) - last_hb
+            f["reclaim_after_last_heartbeat_s"] = round(reclaim, 3)
+            claim("reclaimed within extension + interval of the last heartbeat", reclaim <= bounds.reclaim,
+                  f"{reclaim:.3f} s <= {bounds.reclaim:.3f} s", "liveness")
+        res.kvlease = f"{len(caught)}/{n} late reads caught as stale, 0 corrupt"
+        res.baseline = f"no lease check: {base_corrupt}/{len(run.baseline_reads)} late reads return reused blocks"
+    elif run.name == "bidirectional":
+        early = {f"req-{i}" for i in range(0, n, 2)}
+        late = {f"req-{i}" for i in range(1, n, 2)}
+        slack = [g["expiry_real"] - run.valid_until[k] for k, g in run.grants.items() if k in run.valid_until]
+        claim("converted deadline never later than the pinner's", bool(slack) and min(slack) >= 0,
+              f"min slack {min(slack):.4f} s" if slack else "no deadline converted")
+        claim("reads before the TTL valid", early <= valid, f"{len(early & valid)}/{len(early)}", "liveness")
+        claim("reads after the TTL refused", not (late & valid) and late <= caught | set(run.lost),
+              f"{len(late & caught)}/{len(late)} refused")
+        epoch_gap = abs(run.epochs["pinner"] - run.epochs["accessor"])
+        f["clock_epoch_gap_s"] = round(epoch_gap, 1)
+        if slack:
+            f["deadline_conversion_slack_ms"] = round(min(slack) * 1e3, 3)
+        res.kvlease = (f"deadline converted within {max(slack) * 1e3:.1f} ms (never late); "
+                       f"{len(early & valid)}/{len(early)} early ok, {len(late & caught)}/{len(late)} late refused") \
+            if slack else "no deadline converted"
+        res.baseline = f"raw peer deadline: off by {epoch_gap:.0f} s (clock epochs differ)"
+    return res
