@@ -1,0 +1,300 @@
+"""Real OS processes for the transport tests: an *agent* script and its controller.
+
+Run as a script (``python tests/_proc_helpers.py CONFIG_JSON``), this module is an engine
+worker in miniature: a `Driver` over a `ZmqTransport` (or any transport a factory names), with
+a `Pinner`, an `Accessor` or both, stepped from a loop exactly as an engine's forward loop
+would. It takes JSON-line commands on stdin and prints JSON-line events on stdout, each stamped
+with ``time.monotonic()`` (system-wide on Linux, so the controller can compare instants across
+processes for *measurement*; the protocol never does).
+
+Imported, `Agent` spawns such a process (optionally inside a network namespace) and waits for
+its events. The NIXL tests may import this module; only the ZMQ helper edits it.
+
+Commands (``op``): grant, refill, release, peek (pinner); connect, track, untrack, read, write
+(accessor); pause (stop stepping for a while, then run ``then`` commands before the next step,
+which is how a test freezes an accessor's heartbeats); stats; exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+
+#: A short lease for tests: heartbeat every 0.5 s, each extending by 2 s.
+TEST_LEASE: dict[str, Any] = {"kv_lease_duration": 3.0, "max_access_time": 0.2}
+
+
+# -- controller side ---------------------------------------------------------------------------
+
+
+class Agent:
+    """A spawned agent process, its event log, and ways to wait on it."""
+
+    def __init__(self, config: dict[str, Any], *, netns: str | None = None, env: dict[str, str] | None = None) -> None:
+        cmd = [PYTHON, "-u", os.path.join(REPO, "tests", "_proc_helpers.py"), json.dumps(config)]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.name = str(config.get("engine_id", "agent"))
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env
+        )
+        self.events: list[dict[str, Any]] = []
+        self.stderr: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        ready = self.wait_for(lambda e: e["ev"] == "ready", timeout=60.0)
+        self.address: str = ready["address"]
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                ev = {"ev": "noise", "line": line}
+            with self._cond:
+                self.events.append(ev)
+                self._cond.notify_all()
+        with self._cond:
+            self.events.append({"ev": "eof", "t": time.monotonic()})
+            self._cond.notify_all()
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float, *, start: int = 0) -> dict[str, Any]:
+        """The first event (from index `start`) matching `pred`; fails after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for ev in self.events[start:]:
+                    if pred(ev):
+                        return ev
+                    if ev["ev"] == "eof" and not pred(ev):
+                        pass
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    tail = "".join(self.stderr[-30:])
+                    raise AssertionError(
+                        f"{self.name}: no matching event within {timeout} s; events: {self.events[-20:]}\n"
+                        f"stderr:\n{tail}"
+                    )
+                self._cond.wait(min(left, 0.2))
+
+    def find(self, pred: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+        with self._cond:
+            return [e for e in self.events if pred(e)]
+
+    def request(self, op: str, reply: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
+        """Send a command and wait for its reply event (matched by a fresh request id)."""
+        rid = f"{op}-{time.monotonic_ns()}"
+        self.send(op=op, rid=rid, **args)
+        return self.wait_for(lambda e: e.get("rid") == rid and e["ev"] in (reply, "error"), timeout)
+
+    def kill(self, sig: int = 9) -> float:
+        """Signal the process; returns when it was sent (monotonic)."""
+        t = time.monotonic()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
+        return t
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.send(op="exit")
+            try:
+                self.proc.wait(3.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5.0)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            with contextlib.suppress(Exception):
+                if f is not None:
+                    f.close()
+
+
+def spawn_pair(
+    lease: dict[str, Any] | None = None,
+    *,
+    tensor: bool = False,
+    pinner_bind: str = "tcp://127.0.0.1:0",
+    accessor_bind: str = "tcp://127.0.0.1:0",
+    netns: Sequence[str | None] = (None, None),
+) -> tuple[Agent, Agent]:
+    """A pinner engine "P" and an accessor engine "D", as two real processes."""
+    lease = dict(TEST_LEASE if lease is None else lease)
+    p = Agent({"engine_id": "P", "role": "pinner", "bind": pinner_bind, "lease": lease, "tensor": tensor},
+              netns=netns[0])
+    try:
+        d = Agent({"engine_id": "D", "role": "accessor", "bind": accessor_bind, "lease": lease, "tensor": tensor},
+                  netns=netns[1])
+    except BaseException:
+        p.close()
+        raise
+    return p, d
+
+
+# -- agent side ----------------------------------------------------------------------------------
+
+
+def _emit(ev: str, **fields: Any) -> None:
+    fields["ev"] = ev
+    fields.setdefault("t", time.monotonic())
+    sys.stdout.write(json.dumps(fields, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the child
+    import random
+
+    import attrs
+    from kvlease.transports import Driver
+    from kvlease.transports.zmq_transport import ZmqTransport
+
+    import kvlease
+
+    lease_cfg = kvlease.LeaseConfig(**config.get("lease", {}))
+    engine_id = config["engine_id"]
+    role = config["role"]
+    use_tensor = bool(config.get("tensor"))
+    torch: Any = None
+    if use_tensor:
+        import torch as _torch
+
+        torch = _torch
+    transport = ZmqTransport(engine_id, 0, bind=config.get("bind", "tcp://127.0.0.1:0"))
+    pinner = kvlease.Pinner(lease_cfg, engine_id, random.getrandbits(63)) if role in ("pinner", "both") else None
+    accessor = kvlease.Accessor(lease_cfg, engine_id) if role in ("accessor", "both") else None
+    driver = Driver(transport, pinner=pinner, accessor=accessor)
+    regions: dict[str, Any] = {}  # pinner: key -> buffer
+    reads: dict[str, Any] = {}  # accessor: key -> destination buffer
+    tickets: dict[str, int] = {}  # pinner: key -> lease id
+
+    def new_buffer(size: int, fill: int) -> Any:
+        if torch is not None:
+            return torch.full((size,), fill, dtype=torch.uint8)
+        return bytearray([fill]) * size
+
+    def contents(buf: Any) -> list[int]:
+        raw = bytes(buf.numpy().tobytes()) if torch is not None else bytes(buf)
+        return sorted(set(raw))
+
+    commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            with contextlib.suppress(ValueError):
+                commands.put(json.loads(line))
+        commands.put(None)
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    _emit("ready", address=transport.address)
+    hb_seen = 0
+
+    def run(cmd: dict[str, Any]) -> bool:
+        op = cmd.get("op")
+        rid = cmd.get("rid")
+        try:
+            if op == "exit":
+                return False
+            if op == "grant":
+                key = cmd["key"]
+                buf = regions.get(key)
+                if buf is None:
+                    buf = regions[key] = new_buffer(cmd["size"], cmd["fill"])
+                    transport.register(key, buf)
+                ticket = driver.grant(key, nbytes=cmd["size"], push=cmd.get("push", False))
+                tickets[key] = ticket.lease_id
+                _emit("ticket", rid=rid, key=key, ticket=ticket.to_dict(), address=transport.address)
+            elif op == "refill":  # the engine reuses the region's memory for another request
+                buf = regions[cmd["key"]]
+                if torch is not None:
+                    buf.fill_(cmd["fill"])
+                else:
+                    buf[:] = bytes([cmd["fill"]]) * len(buf)
+                _emit("refilled", rid=rid, key=cmd["key"])
+            elif op == "peek":
+                _emit("region", rid=rid, key=cmd["key"], values=contents(regions[cmd["key"]]))
+            elif op == "release":
+                driver.release(tickets[cmd["key"]])
+                _emit("released", rid=rid)
+            elif op == "connect":
+                driver.connect(cmd["engine_id"], cmd["address"])
+                _emit("connecting", rid=rid)
+            elif op == "track":
+                ticket = kvlease.LeaseTicket.from_dict(cmd["ticket"])
+                driver.track(cmd["key"], ticket, address=cmd["address"], push=cmd.get("push", False))
+                _emit("tracked", rid=rid, key=cmd["key"])
+            elif op == "untrack":
+                driver.untrack(cmd["key"])
+                _emit("untracked", rid=rid, key=cmd["key"])
+            elif op in ("read", "write"):
+                key = cmd["key"]
+                if op == "read":
+                    buf = reads[key] = new_buffer(cmd["size"], 0)
+                    decision = driver.read(key, cmd.get("region", key), buf)
+                else:
+                    buf = new_buffer(cmd["size"], cmd["fill"])
+                    decision = driver.write(key, cmd.get("region", key), buf)
+                _emit("access", rid=rid, key=key, allowed=decision.allowed, guaranteed=decision.guaranteed,
+                      reason=decision.reason)
+            elif op == "pause":
+                time.sleep(cmd["seconds"])
+                _emit("resumed", rid=rid)
+                for then in cmd.get("then", []):
+                    run(then)
+            elif op == "stats":
+                _emit("stats", rid=rid, stats=driver.stats.snapshot())
+            else:
+                _emit("error", rid=rid, error=f"unknown op {op!r}")
+        except Exception as exc:
+            _emit("error", rid=rid, error=f"{type(exc).__name__}: {exc}")
+        return True
+
+    running = True
+    while running:
+        while True:
+            try:
+                cmd = commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is None or not run(cmd):
+                running = False
+                break
+        for ev in driver.step():
+            fields = attrs.asdict(ev, recurse=False)
+            name = type(ev).__name__
+            if name == "AccessCompleted" and fields["key"] in reads:
+                fields["values"] = contents(reads.pop(fields["key"]))
+            _emit(name, **{k: (v.value if hasattr(v, "value") else v) for k, v in fields.items()})
+        n = driver.stats.heartbeats_received
+        if n != hb_seen:
+            hb_seen = n
+            _emit("hb", count=n)
+        transport.wait(0.002)
+    driver.close()
+
+
+if __name__ == "__main__":
+    _agent(json.loads(sys.argv[1]))
