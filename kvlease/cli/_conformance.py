@@ -1,0 +1,180 @@
+"""`kvlease conformance`: replay spec/vectors/ against the core or an external driver.
+
+Application shell: it reads vector files, starts the driver subprocess and prints a table. The
+comparison itself is `kvlease.conformance.run_vector` (pure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shlex
+import subprocess
+from pathlib import Path
+
+import click
+
+from kvlease.conformance import CoreImplementation, Implementation, JSONDict, VectorResult, run_vector
+
+__all__ = ["DriverError", "SubprocessDriver", "conformance", "default_vectors_dir", "load_vectors"]
+
+
+class DriverError(Exception):
+    """The external driver died, hung, or answered something that is not one JSON object."""
+
+
+class SubprocessDriver:
+    """Speaks the driver protocol with a subprocess over its stdin/stdout, one JSON object
+    per line, with a per-request timeout so a hung driver fails the check instead of hanging."""
+
+    def __init__(self, command: str, *, timeout: float = 10.0) -> None:
+        self.command = command
+        self.timeout = timeout
+        self._proc = subprocess.Popen(
+            shlex.split(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            bufsize=0,  # stderr is inherited: a chatty driver cannot fill a pipe and stall
+        )
+        assert self._proc.stdout is not None and self._proc.stdin is not None
+        os.set_blocking(self._proc.stdout.fileno(), False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._proc.stdout, selectors.EVENT_READ)
+        self._buf = b""
+        self._broken = False
+
+    @property
+    def broken(self) -> bool:
+        """The driver exited, hung or desynchronized: replace it before the next vector."""
+        return self._broken or self._proc.poll() is not None
+
+    def call(self, request: JSONDict) -> JSONDict:
+        try:
+            return self._call(request)
+        except DriverError:
+            self._broken = True
+            raise
+
+    def _call(self, request: JSONDict) -> JSONDict:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise DriverError(f"driver stdin closed ({exc}); {self._stderr_tail()}") from None
+        while b"\n" not in self._buf:
+            if not self._sel.select(self.timeout):
+                raise DriverError(f"driver gave no answer within {self.timeout} s")
+            chunk = self._proc.stdout.read(65536)
+            if chunk == b"":
+                raise DriverError(f"driver exited ({self._proc.poll()}); {self._stderr_tail()}")
+            if chunk is not None:
+                self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        try:
+            response = json.loads(line)
+        except ValueError:
+            raise DriverError(f"driver answered a line that is not JSON: {line[:200]!r}") from None
+        if not isinstance(response, dict):
+            raise DriverError(f"driver answered {type(response).__name__}, not an object")
+        return response
+
+    def _stderr_tail(self) -> str:
+        return "see its stderr above"
+
+    def close(self) -> None:
+        self._sel.close()
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # a hung driver never reads its EOF
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+    def __enter__(self) -> SubprocessDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def default_vectors_dir() -> Path:
+    """spec/vectors of the source tree kvlease was installed from (editable installs)."""
+    import kvlease
+
+    return Path(kvlease.__file__).resolve().parent.parent / "spec" / "vectors"
+
+
+def load_vectors(directory: Path, names: tuple[str, ...] = ()) -> list[JSONDict]:
+    """Every ``*.json`` vector in `directory` (sorted by file name), or only `names`."""
+    paths = sorted(directory.glob("*.json"))
+    if names:
+        paths = [p for p in paths if p.stem in names]
+    vectors: list[JSONDict] = []
+    for p in paths:
+        data = json.loads(p.read_text())
+        if not isinstance(data, dict):
+            raise click.ClickException(f"{p}: a vector file must hold one JSON object")
+        vectors.append(data)
+    return vectors
+
+
+def run_all(vectors: list[JSONDict], impl: Implementation) -> list[VectorResult]:
+    return [run_vector(v, impl) for v in vectors]
+
+
+@click.command()
+@click.option("--driver", "driver_cmd", metavar="CMD", default=None,
+              help="Check an external implementation: a command speaking the driver protocol "
+              "(spec/vectors/README.md) on stdin/stdout, e.g. "
+              "'python -m kvlease.cli._conformance_driver'.")
+@click.option("--vectors", "vectors_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              default=None, help="Directory of vector files (default: the source tree's spec/vectors).")
+@click.option("--only", "names", multiple=True, metavar="NAME", help="Run only this vector (repeatable).")
+@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for each driver answer.")
+def conformance(driver_cmd: str | None, vectors_dir: Path | None, names: tuple[str, ...], timeout: float) -> None:
+    """Replay the conformance vectors; exit 1 on any mismatch, showing the first one."""
+    from rich.console import Console
+    from rich.table import Table
+
+    directory = vectors_dir or default_vectors_dir()
+    if not directory.is_dir():
+        raise click.ClickException(f"no vectors at {directory}; pass --vectors DIR")
+    vectors = load_vectors(directory, names)
+    if not vectors:
+        raise click.ClickException(f"no vectors matched in {directory}")
+    if driver_cmd is None:
+        results = run_all(vectors, CoreImplementation())
+        target = "in-process Python core"
+    else:
+        results = []
+        drv = SubprocessDriver(driver_cmd, timeout=timeout)
+        try:
+            for v in vectors:
+                if drv.broken:  # one that crashed or hung on a vector is checked on the rest
+                    drv.close()
+                    drv = SubprocessDriver(driver_cmd, timeout=timeout)
+                results.append(run_vector(v, drv))
+        finally:
+            drv.close()
+        target = f"driver: {driver_cmd}"
+    console = Console()
+    table = Table(title=f"kvlease conformance ({target})")
+    table.add_column("vector")
+    table.add_column("kind")
+    table.add_column("checked", justify="right")
+    table.add_column("result")
+    for r in results:
+        verdict = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
+        table.add_row(r.name, r.kind, f"{r.checked}/{r.total}", verdict)
+    console.print(table)
+    failed = [r for r in results if not r.passed]
+    if failed:
+        first = failed[0].mismatch
+        assert first is not None
+        console.print(f"[red]{len(failed)} of {len(results)} vectors failed.[/] First mismatch:")
+        console.print(first.render(), markup=False, highlight=False)
+        raise SystemExit(1)
+    console.print(f"[green]all {len(results)} vectors pass[/]")
