@@ -504,7 +504,12 @@ class Accessor:
         if local is not None:
             valid = local - self.config.validity_margin
             if valid > t.valid_until:
+                first = t.valid_until == float("-inf")
                 t.valid_until = valid
+                if first:
+                    # The check queued at track time assumed one accessor extension; a short
+                    # TTL's converted deadline can be earlier, so queue a check at it.
+                    heapq.heappush(self._checks, (valid, t.key))
 
     def _lose(self, t: _Tracked, reason: LostReason) -> tuple[AccessorOutput, ...]:
         if t.state is TrackedState.ACCESSING:
