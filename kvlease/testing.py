@@ -360,10 +360,11 @@ class Pair:
         now_p = self.now_p
         nd = self.pinner.next_deadline()
         if nd is not None and nd <= now_p:
-            self._pinner_outputs(self.pinner.handle_timeout(now_p))
+            outputs = self.pinner.handle_timeout(now_p)
             after = self.pinner.next_deadline()
             if after is not None and after <= now_p:
                 raise InvariantViolation(f"pinner next_deadline {after} <= now {now_p} after handle_timeout")
+            self._pinner_outputs(outputs)
         for msg in self.to_pinner.deliver_due(real):
             if isinstance(msg, Heartbeat) and msg.incarnation == self.pinner.incarnation:
                 for lid in msg.lease_ids:
@@ -379,12 +380,15 @@ class Pair:
             now_a = self.now_a
             nd = self.accessor.next_deadline()
             if nd is not None and nd <= now_a:
-                self._accessor_outputs(self.accessor.handle_timeout(now_a))
+                a_outputs = self.accessor.handle_timeout(now_a)
+                # Checked before dispatch: a handshake completed while dispatching may
+                # legitimately make a heartbeat due at once.
                 after = self.accessor.next_deadline()
                 if after is not None and after <= now_a:
                     raise InvariantViolation(
                         f"accessor next_deadline {after} <= now {now_a} after handle_timeout"
                     )
+                self._accessor_outputs(a_outputs)
         self.check()
 
     # -- dispatch ---------------------------------------------------------------------------

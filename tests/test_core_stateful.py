@@ -1,0 +1,269 @@
+"""Hypothesis stateful model of one pinner and one accessor over lossy links, with drifting
+clocks at random epochs. `kvlease.testing.Pair` audits the safety invariants at every step in
+real time; this machine adds the liveness ones (a clean lease is never lost, a dead accessor's
+leases are all freed) and shows that the checker catches a deliberately broken accessor.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from conftest import EXAMPLES, STEPS
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvlease import (
+    AccessStale,
+    EndReason,
+    LeaseConfig,
+    LeaseKind,
+    LeaseLost,
+    TrackedState,
+)
+from kvlease.testing import InvariantViolation, LinkProfile, Pair, PeerClock
+
+
+def _profiles(cfg: LeaseConfig, good: bool) -> tuple[LinkProfile, LinkProfile]:
+    interval = cfg.heartbeat_interval
+    # Good: bounded delay, no loss, well inside what renewal needs (an interval plus two
+    # delays must fit in the accessor's extension, about 4 intervals). Bad: lossy and slow.
+    p = LinkProfile(0.0, 0.5 * interval) if good else LinkProfile(0.0, 3.0 * interval, drop=0.3, duplicate=0.2)
+    return p, p
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    #: Builds the accessor's config from the honest one; the broken-accessor test swaps it.
+    accessor_config: Any = staticmethod(lambda cfg: cfg)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair: Pair
+        self.n = 0
+        self.good = True
+        #: Renewable leases tracked by a live accessor over a good link all their life.
+        self.clean: set[str] = set()
+
+    #: Parameter spaces; the broken-accessor test narrows them to where the break shows.
+    DRIFTS: tuple[float, ...] = (0.0, 1e-4, 1e-3, 1e-2)
+    MARGINS: tuple[float, ...] = (0.0, 0.005, 0.02)
+
+    @initialize(
+        data=st.data(),
+        seed=st.integers(0, 2**32 - 1),
+        duration=st.floats(0.6, 3.0),
+        access_frac=st.floats(0.01, 0.2),
+        max_bytes=st.sampled_from([128, 256, 1024]),
+        epochs=st.tuples(st.floats(1e4, 2e5), st.floats(1e4, 2e5)),
+        rate_signs=st.tuples(st.sampled_from([-1.0, 1.0, 0.5, -0.5, 0.0]), st.sampled_from([-1.0, 1.0, 0.5, 0.0])),
+    )
+    def setup(
+        self,
+        data: st.DataObject,
+        seed: int,
+        duration: float,
+        access_frac: float,
+        max_bytes: int,
+        epochs: tuple[float, float],
+        rate_signs: tuple[float, float],
+    ) -> None:
+        drift = data.draw(st.sampled_from(self.DRIFTS), label="max_drift_rate")
+        margin_frac = data.draw(st.sampled_from(self.MARGINS), label="margin_frac")
+        cfg = LeaseConfig(
+            kv_lease_duration=duration,
+            max_access_time=access_frac * duration,
+            max_drift_rate=drift,
+            validity_margin=margin_frac * duration,
+            max_message_bytes=max_bytes,
+            decoder_kv_blocks_ttl=2 * duration,
+            tombstone_limit=8,
+        )
+        to_p, to_a = _profiles(cfg, True)
+        self.pair = Pair(
+            cfg,
+            random.Random(seed),
+            accessor_config=self.accessor_config(cfg),
+            pinner_clock=PeerClock(epochs[0], 1.0 + rate_signs[0] * drift),
+            accessor_clock=PeerClock(epochs[1], 1.0 + rate_signs[1] * drift),
+            to_pinner=to_p,
+            to_accessor=to_a,
+        )
+        self.cfg = cfg
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _keys(self, state: TrackedState, *, push: bool | None = None) -> list[str]:
+        a = self.pair.accessor
+        return [
+            k
+            for k, lid in self.pair.by_key.items()
+            if a.state_of(k) is state and (push is None or self.pair.leases[lid].push == push)
+        ]
+
+    def _dirty_all(self) -> None:
+        self.clean.clear()
+
+    # -- rules ------------------------------------------------------------------------------
+
+    @rule(push=st.booleans(), fixed=st.booleans(), ttl_frac=st.floats(0.3, 3.0))
+    def grant_and_track(self, push: bool, fixed: bool, ttl_frac: float) -> None:
+        self.n += 1
+        key = f"req-{self.n}"
+        if fixed and not push:
+            self.pair.grant_and_track(key, kind=LeaseKind.FIXED_TTL, ttl=ttl_frac * self.cfg.kv_lease_duration)
+            return
+        self.pair.grant_and_track(key, push=push)
+        if self.good and self.pair.accessor_alive and self.pair.to_pinner.up:
+            self.clean.add(key)
+
+    @rule(frac=st.floats(0.0, 1.5))
+    def advance(self, frac: float) -> None:
+        self.pair.advance(frac * self.cfg.kv_lease_duration)
+
+    @rule(frac=st.floats(0.0, 0.3))
+    def advance_a_little(self, frac: float) -> None:
+        self.pair.advance(frac * self.cfg.heartbeat_interval)
+
+    @precondition(lambda self: self.pair.accessor_alive)
+    @rule(i=st.integers(0, 1000))
+    def begin_read(self, i: int) -> None:
+        keys = self._keys(TrackedState.WAITING, push=False)
+        if keys:
+            self.pair.begin_access(keys[i % len(keys)])
+
+    @precondition(lambda self: self.pair.accessor_alive)
+    @rule(i=st.integers(0, 1000), fail=st.booleans())
+    def finish_read(self, i: int, fail: bool) -> None:
+        keys = self.pair.accessing()
+        if not keys:
+            return
+        key = keys[i % len(keys)]
+        if fail:
+            self.pair.fail_access(key)
+        else:
+            self.pair.finish_access(key)
+
+    @precondition(lambda self: self.pair.accessor_alive)
+    @rule(i=st.integers(0, 1000), frac=st.floats(0.0, 1.0))
+    def push_write(self, i: int, frac: float) -> None:
+        keys = self._keys(TrackedState.WAITING, push=True)
+        if not keys:
+            return
+        key = keys[i % len(keys)]
+        decision = self.pair.begin_access(key)
+        if decision.allowed:
+            assert decision.guaranteed, "push mode must never start an unguaranteed write"
+            # The protocol's assumption: a write lasts at most max_access_time (real).
+            self.pair.advance(frac * self.cfg.max_access_time)
+            self.pair.finish_access(key)
+
+    @precondition(lambda self: self.pair.accessor_alive)
+    @rule(i=st.integers(0, 1000))
+    def untrack(self, i: int) -> None:
+        keys = self._keys(TrackedState.WAITING)
+        if keys:
+            self.pair.untrack(keys[i % len(keys)])
+
+    @precondition(lambda self: self.pair.accessor_alive)
+    @rule()
+    def kill_accessor(self) -> None:
+        self._dirty_all()
+        self.pair.kill_accessor()
+
+    @rule(drop_in_flight=st.booleans())
+    def partition(self, drop_in_flight: bool) -> None:
+        self._dirty_all()
+        self.pair.partition(drop_in_flight=drop_in_flight)
+
+    @rule()
+    def heal(self) -> None:
+        self.pair.heal()
+
+    @rule(good=st.booleans())
+    def set_link(self, good: bool) -> None:
+        if not good:
+            self._dirty_all()
+        self.good = good
+        self.pair.set_profiles(*_profiles(self.cfg, good))
+
+    @rule()
+    def drain(self) -> None:
+        """Long quiet period. A dead accessor's leases must all be gone by its end."""
+        self.pair.advance(3.0 * self.cfg.kv_lease_duration + self.cfg.push_guard + 0.01)
+        if not self.pair.accessor_alive:
+            live = list(self.pair.pinner.live_ids())
+            assert not live, f"dead accessor's leases still pinned after the drain: {live}"
+
+    # -- liveness invariants ----------------------------------------------------------------
+
+    @invariant()
+    def clean_leases_live(self) -> None:
+        if not hasattr(self, "pair"):
+            return
+        for key in self.clean:
+            rec = self.pair.record(key)
+            for ev in rec.accessor_events:
+                if isinstance(ev, LeaseLost | AccessStale):
+                    raise InvariantViolation(f"a live, connected accessor lost {key!r}: {ev!r}")
+            for _, free in rec.frees:
+                if free.reason is EndReason.EXPIRED:
+                    raise InvariantViolation(f"a live, connected accessor's lease {key!r} expired")
+
+    @invariant()
+    def nothing_rejected(self) -> None:
+        if hasattr(self, "pair"):
+            assert not self.pair.rejected, f"an honest peer was rejected: {self.pair.rejected[:3]}"
+
+
+TestLeaseMachine = LeaseMachine.TestCase
+TestLeaseMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None)
+
+
+class _OverstatedConfig(LeaseConfig):
+    """A broken accessor's settings: validity 10 % past the pinner's extension."""
+
+    @property
+    def accessor_extension(self) -> float:
+        return self.lease_extension * 1.1
+
+
+class _NoDriftConfig(LeaseConfig):
+    """A subtler break: the margin kept, the drift correction forgotten."""
+
+    @property
+    def accessor_extension(self) -> float:
+        return self.lease_extension - self.validity_margin
+
+
+@pytest.mark.parametrize("broken", [_OverstatedConfig, _NoDriftConfig])
+def test_checker_flags_a_broken_accessor(broken: type[LeaseConfig]) -> None:
+    """The model is only worth something if it fails on a core that overstates validity."""
+
+    class Broken(LeaseMachine):
+        accessor_config = staticmethod(lambda cfg: broken(**{a: getattr(cfg, a) for a in _FIELDS}))
+        DRIFTS = (1e-2,)
+        MARGINS = (0.0,)
+
+    with pytest.raises(InvariantViolation, match=r"valid until|stale access"):
+        run_state_machine_as_test(
+            Broken,
+            settings=settings(
+                max_examples=max(EXAMPLES, 300),
+                stateful_step_count=STEPS,
+                deadline=None,
+                phases=[Phase.generate],
+                database=None,
+            ),
+        )
+
+
+_FIELDS = [a.name for a in LeaseConfig.__attrs_attrs__]
