@@ -595,7 +595,8 @@ def rejections_and_misuse() -> Recorder:
     alien = HeartbeatAck("prefill-9", 0, 5, 1, 61.0, 51.0, 1)  # type: ignore[arg-type]
     assert only(r.at(1.2).step("D", "receive", hex=encode(alien).hex()), "Rejected")["engine_id"] == "prefill-9"
     forged = AccessDoneAck("prefill-0", 0, 0x5EED000E, 1, AccessOutcome.OK)
-    assert r.at(1.3).step("D", "receive", hex=encode(forged).hex(), note="an unasked confirmation is ignored")["outputs"] == []
+    note = "an unasked confirmation is ignored"
+    assert r.at(1.3).step("D", "receive", hex=encode(forged).hex(), note=note)["outputs"] == []
     assert Release and HandshakeReply  # imported for the codec vectors below
     return r
 
@@ -626,7 +627,8 @@ def codec_cases() -> dict[str, Any]:
         ("vllm_done", encode_vllm_done("cmpl-7", 4)),
         ("vllm_done_id_with_colon_last_wins", b"a:b:3"),
     ]:
-        cases.append({"name": name, "codec": "vllm", "hex": raw.hex(), "expect": {"message": message_to_json(decode_vllm(raw))}})
+        cases.append({"name": name, "codec": "vllm", "hex": raw.hex(),
+                      "expect": {"message": message_to_json(decode_vllm(raw))}})
 
     import msgpack
 

@@ -1,0 +1,264 @@
+"""The conformance vectors pass against the core, in process and through the real subprocess
+driver; the runner catches wrong implementations (a dropped output, wrong bytes, a computed time
+off by more than the tolerance, bytes accepted that must be refused, a dead or hung driver)."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvlease import DecodeError, decode, decode_vllm
+from kvlease.cli._conformance import SubprocessDriver, load_vectors
+from kvlease.conformance import CoreImplementation, JSONDict, compare, run_vector
+
+ROOT = Path(__file__).resolve().parent.parent
+VECTORS_DIR = ROOT / "spec" / "vectors"
+VECTORS = load_vectors(VECTORS_DIR)
+BY_NAME = {str(v["name"]): v for v in VECTORS}
+DRIVER = f"{sys.executable} -m kvlease.cli._conformance_driver"
+
+REQUIRED = {
+    "happy_pull", "overload_long_queue", "accessor_crash_expiry", "late_read", "push_mode",
+    "fixed_ttl_bidirectional", "pinner_restart", "hetero_tp_pinner_wider",
+    "hetero_tp_accessor_wider", "release", "vllm_compat", "codec",
+}
+
+
+def test_the_required_scenarios_exist() -> None:
+    assert set(BY_NAME) >= REQUIRED
+
+
+@pytest.mark.parametrize("name", sorted(BY_NAME))
+def test_vector_passes_in_process(name: str) -> None:
+    result = run_vector(BY_NAME[name], CoreImplementation())
+    assert result.passed, result.mismatch and result.mismatch.render()
+    assert result.checked == result.total > 0
+
+
+@pytest.fixture(scope="module")
+def driver() -> Iterator[SubprocessDriver]:
+    with SubprocessDriver(DRIVER, timeout=30.0) as drv:
+        yield drv
+
+
+@pytest.mark.parametrize("name", sorted(BY_NAME))
+def test_vector_passes_through_the_subprocess_driver(driver: SubprocessDriver, name: str) -> None:
+    result = run_vector(BY_NAME[name], driver)
+    assert result.passed, result.mismatch and result.mismatch.render()
+
+
+# -- the runner must be able to fail ----------------------------------------------------------
+
+WRONG_DRIVER = """
+import json, sys
+from kvlease.conformance import CoreImplementation
+impl = CoreImplementation()
+dropped = False
+for line in sys.stdin:
+    resp = impl.call(json.loads(line))
+    if not dropped and resp.get("outputs"):
+        resp["outputs"] = resp["outputs"][:-1]   # forget one output, once
+        dropped = True
+    print(json.dumps(resp), flush=True)
+"""
+
+
+def test_a_driver_that_drops_one_output_fails(tmp_path: Path) -> None:
+    script = tmp_path / "wrong_driver.py"
+    script.write_text(WRONG_DRIVER)
+    with SubprocessDriver(f"{sys.executable} {script}", timeout=30.0) as drv:
+        result = run_vector(BY_NAME["happy_pull"], drv)
+    assert not result.passed and result.mismatch is not None
+    assert "expected 1 items, got 0" in result.mismatch.why
+    assert result.mismatch.index == 1  # track: its HandshakeNeeded was dropped
+    assert "HandshakeNeeded" in result.mismatch.render()
+
+
+def test_the_cli_exits_nonzero_and_shows_the_first_mismatch(tmp_path: Path) -> None:
+    script = tmp_path / "wrong_driver.py"
+    script.write_text(WRONG_DRIVER)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlease", "conformance", "--driver", f"{sys.executable} {script}",
+         "--only", "happy_pull", "--only", "release"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "First mismatch" in proc.stdout and "happy_pull" in proc.stdout
+    assert "FAIL" in proc.stdout
+
+
+def test_the_cli_passes_in_process() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlease", "conformance", "--vectors", str(VECTORS_DIR)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"all {len(VECTORS)} vectors pass" in proc.stdout
+
+
+class _Tampering:
+    """Wraps the core and corrupts one chosen response (in process, so it is cheap)."""
+
+    def __init__(self, step: int, corrupt: Any) -> None:
+        self.impl = CoreImplementation()
+        self.n = -1
+        self.step = step
+        self.corrupt = corrupt
+
+    def call(self, request: JSONDict) -> JSONDict:
+        resp = self.impl.call(request)
+        if request["cmd"] != "setup":
+            self.n += 1
+            if self.n == self.step:
+                self.corrupt(resp)
+        return resp
+
+
+def _step_index(vector: JSONDict, op: str) -> int:
+    steps = vector["steps"]
+    assert isinstance(steps, list)
+    return next(i for i, s in enumerate(steps) if isinstance(s, dict) and s["op"] == op)
+
+
+def test_one_wrong_wire_byte_fails() -> None:
+    v = BY_NAME["happy_pull"]
+    i = _step_index(v, "access_finished")
+
+    def flip(resp: JSONDict) -> None:
+        out = resp["outputs"][0]  # type: ignore[index]
+        out["hex"] = out["hex"][:-2] + ("00" if out["hex"][-2:] != "00" else "01")  # type: ignore[index]
+
+    result = run_vector(v, _Tampering(i, flip))
+    assert result.mismatch is not None and result.mismatch.index == i
+    assert ".hex" in result.mismatch.why
+
+
+def test_a_computed_time_beyond_the_tolerance_fails_within_it_passes() -> None:
+    v = BY_NAME["happy_pull"]
+    i = _step_index(v, "begin_access")
+
+    def shift(by: float) -> Any:
+        def f(resp: JSONDict) -> None:
+            resp["result"]["valid_until"] += by  # type: ignore[call-overload,index,operator]
+        return f
+
+    assert run_vector(v, _Tampering(i, shift(1e-8))).passed
+    bad = run_vector(v, _Tampering(i, shift(1e-3)))
+    assert bad.mismatch is not None and "valid_until" in bad.mismatch.why
+
+
+def test_a_free_with_the_wrong_reason_fails() -> None:
+    v = BY_NAME["accessor_crash_expiry"]
+    steps = v["steps"]
+    assert isinstance(steps, list)
+    i = next(i for i, s in enumerate(steps)
+             if any(o["type"] == "Free" for o in s["expect"].get("outputs", [])))  # type: ignore[index,union-attr]
+
+    def relabel(resp: JSONDict) -> None:
+        resp["outputs"][0]["reason"] = "released"  # type: ignore[index]
+
+    result = run_vector(v, _Tampering(i, relabel))
+    assert result.mismatch is not None and "reason" in result.mismatch.why
+
+
+# -- malformed bytes --------------------------------------------------------------------------
+
+CODEC_ERRORS = [c for c in BY_NAME["codec"]["cases"] if "error" in c["expect"]]  # type: ignore[union-attr,operator,index]
+
+
+@pytest.mark.parametrize("case", CODEC_ERRORS, ids=lambda c: str(c["name"]))
+def test_malformed_bytes_raise_decode_error(case: dict[str, Any]) -> None:
+    fn = decode if case["codec"] == "native" else decode_vllm
+    with pytest.raises(DecodeError):
+        fn(bytes.fromhex(case["hex"]))
+
+
+def test_an_implementation_that_accepts_malformed_bytes_fails() -> None:
+    class Lenient:
+        def call(self, request: JSONDict) -> JSONDict:
+            return {"ok": True, "message": {"type": "Heartbeat"}}
+
+    result = run_vector(BY_NAME["codec"], Lenient())
+    assert not result.passed and result.mismatch is not None
+
+
+def test_a_wrong_decode_error_category_fails() -> None:
+    class WrongCategory:
+        def __init__(self) -> None:
+            self.impl = CoreImplementation()
+
+        def call(self, request: JSONDict) -> JSONDict:
+            resp = self.impl.call(request)
+            if resp.get("ok") is False:
+                resp["error"]["category"] = "type"  # type: ignore[index]
+            return resp
+
+    result = run_vector(BY_NAME["codec"], WrongCategory())
+    assert result.mismatch is not None and "category" in result.mismatch.why
+
+
+def test_a_mangled_vector_fails_rather_than_passing() -> None:
+    v = copy.deepcopy(BY_NAME["release"])
+    steps: Any = v["steps"]
+    first = next(s for s in steps if s["expect"].get("outputs"))
+    first["expect"]["outputs"] = []
+    result = run_vector(v, CoreImplementation())
+    assert not result.passed
+
+
+# -- driver failures --------------------------------------------------------------------------
+
+
+def test_a_dead_driver_is_a_failure_not_a_crash() -> None:
+    with SubprocessDriver(f"{sys.executable} -c pass", timeout=30.0) as drv:
+        result = run_vector(BY_NAME["happy_pull"], drv)
+        assert drv.broken
+    assert result.mismatch is not None and "the implementation failed" in result.mismatch.why
+
+
+def test_a_hung_driver_times_out() -> None:
+    cmd = f"{sys.executable} -c 'import time; time.sleep(60)'"
+    with SubprocessDriver(cmd, timeout=0.5) as drv:
+        result = run_vector(BY_NAME["happy_pull"], drv)
+    assert result.mismatch is not None and "no answer within" in result.mismatch.why
+
+
+def test_the_reference_driver_answers_garbage_with_a_driver_error(driver: SubprocessDriver) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvlease.cli._conformance_driver"],
+                          input="not json\n[1]\n", capture_output=True, text=True, timeout=60)
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [x["error"]["class"] for x in lines] == ["DriverError", "DriverError"]
+
+
+# -- comparison rule and purity ---------------------------------------------------------------
+
+
+def test_compare_rules() -> None:
+    assert compare({"a": 1.0, "note": "x"}, {"a": 1.0 + 1e-9}) is None
+    assert compare({"a": 1}, {"a": True}) is not None  # a boolean is never a number
+    assert compare({"a": [1, 2]}, {"a": [1, 2, 3]}) is not None
+    assert compare({"a": 1}, {"a": 1, "b": 2}) is not None
+    assert compare({"reason_text": "x"}, {"reason_text": "y"}) is None
+
+
+def test_the_runner_is_pure() -> None:
+    forbidden = {"time", "socket", "threading", "asyncio", "subprocess", "selectors", "zmq",
+                 "nixl", "torch", "os", "io", "pathlib"}
+    for path in (ROOT / "kvlease" / "conformance").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for n in names:
+                assert n.split(".")[0] not in forbidden, f"{path.name} imports {n}"
