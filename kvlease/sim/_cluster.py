@@ -1,0 +1,1172 @@
+"""The discrete-event simulation of a P/D cluster driving the real kvlease core.
+
+Owns: virtual real time (one event heap), each engine's drifting clock, the forward loops of
+prefill (pinner) and decode (accessor) engines, the router, the network (delay, loss,
+duplication, reordering, partitions) and the handshake side channel, crashes and restarts, and
+the bookkeeping that metrics and the safety/liveness checks need. Every kvlease message is
+encoded and decoded on its way; the engines hold real `Pinner` and `Accessor` objects (or the
+baseline models of `Policy.FIXED_*`), fed only their own local clock.
+
+Must never read a clock, sleep, start a thread or do I/O: a run is a pure function of its
+scenario, policy and seed, so a seed reproduces bit for bit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from .._accessor import Accessor
+from .._clock import LocalTime
+from .._codec import decode, encode
+from .._config import LeaseConfig
+from .._errors import DecodeError
+from .._events import (
+    AccessCompleted,
+    AccessStale,
+    EndReason,
+    Free,
+    HandshakeNeeded,
+    LeaseLost,
+    LostReason,
+    Rejected,
+    Send,
+)
+from .._messages import Handshake, HandshakeReply, Heartbeat, HeartbeatAck, LeaseTicket
+from .._pinner import Pinner
+from .._vllm_compat import VllmAccessDone, VllmHeartbeat, decode_vllm, encode_vllm_done, encode_vllm_heartbeat
+from ._scenario import FaultKind, Policy, Scenario
+
+__all__ = ["AccessorFactory", "Cluster", "PinnerFactory", "RunResult", "Violation"]
+
+PinnerFactory = Callable[[LeaseConfig, str, int, int, int], Pinner]
+AccessorFactory = Callable[[LeaseConfig, str, int, int], Accessor]
+
+_INF = math.inf
+
+
+@attrs.frozen
+class Violation:
+    """A broken safety or liveness claim, with what is needed to find it in a trace."""
+
+    claim: str
+    at: float
+    detail: str
+    lease: str = ""  # "P0/inc/lease_id"
+    key: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.define
+class RunResult:
+    """Everything a run measured. `summary()` is the JSON-friendly, comparable part."""
+
+    policy: str
+    seed: int
+    sim_seconds: float
+    events: int = 0
+    requests: int = 0
+    completed: int = 0
+    prefills: int = 0
+    recomputed: int = 0
+    false_frees: int = 0
+    leases_lost: int = 0
+    stale_caught: int = 0
+    stale_used: int = 0
+    dead_block_seconds: float = 0.0
+    peak_pinned_blocks: float = 0.0
+    pinned_block_seconds: float = 0.0
+    heartbeat_bytes: int = 0
+    protocol_bytes: int = 0
+    messages: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    reclaim_latencies: list[float] = attrs.field(factory=list)
+    timeline: list[tuple[float, float]] = attrs.field(factory=list)
+    violations: list[Violation] = attrs.field(factory=list)
+    trace: list[tuple[float, str, str, str]] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.reclaim_latencies)
+
+        def q(p: float) -> float | None:
+            return None if not lat else round(lat[min(len(lat) - 1, int(p * len(lat)))], 6)
+
+        return {
+            "policy": self.policy,
+            "seed": self.seed,
+            "sim_seconds": self.sim_seconds,
+            "events": self.events,
+            "requests": self.requests,
+            "completed": self.completed,
+            "prefills": self.prefills,
+            "recomputed": self.recomputed,
+            "false_frees": self.false_frees,
+            "leases_lost": self.leases_lost,
+            "stale_caught": self.stale_caught,
+            "stale_used": self.stale_used,
+            "dead_block_seconds": round(self.dead_block_seconds, 6),
+            "peak_pinned_blocks": round(self.peak_pinned_blocks, 6),
+            "pinned_block_seconds": round(self.pinned_block_seconds, 6),
+            "heartbeat_bytes": self.heartbeat_bytes,
+            "protocol_bytes": self.protocol_bytes,
+            "messages": self.messages,
+            "dropped": self.dropped,
+            "rejected": self.rejected,
+            "reclaim_p50": q(0.5),
+            "reclaim_p99": q(0.99),
+            "reclaim_max": None if not lat else round(lat[-1], 6),
+            "reclaimed_after_crash": len(lat),
+            "violations": [v.to_json() for v in self.violations],
+        }
+
+
+class _Clock:
+    """local = epoch + rate * real; rate within the scenario's drift bound."""
+
+    __slots__ = ("epoch", "rate")
+
+    def __init__(self, epoch: float, rate: float) -> None:
+        self.epoch = epoch
+        self.rate = rate
+
+    def local(self, t: float) -> LocalTime:
+        return LocalTime(self.epoch + self.rate * t)
+
+    def real(self, local: float) -> float:
+        return (local - self.epoch) / self.rate
+
+
+class _Lease:
+    """The simulator's record of one granted lease (all pinner ranks share its id)."""
+
+    __slots__ = (
+        "blocks", "d_crash", "d_name", "dead_since", "freed", "granted", "incarnation", "key", "last_hb",
+        "lease_id", "p", "push", "req", "troubled", "unfreed",
+    )
+
+    def __init__(self, p: _PEngine, incarnation: int, lease_id: int, req: _Req, t: float) -> None:
+        self.p = p
+        self.incarnation = incarnation
+        self.lease_id = lease_id
+        self.key = req.key
+        self.req: _Req | None = req
+        self.blocks = req.blocks / p.tp  # per rank
+        self.d_name = req.d.name if req.d is not None else ""
+        self.push = req.push
+        self.granted = t
+        self.last_hb = -_INF
+        self.dead_since = _INF
+        self.d_crash = _INF
+        self.freed: dict[int, tuple[float, str]] = {}
+        self.unfreed = p.tp
+        self.troubled = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.p.name}/{self.incarnation}/{self.lease_id}"
+
+
+class _Req:
+    __slots__ = (
+        "arrival", "attempt", "blocks", "d", "done_ranks", "failed", "id", "key", "lease", "out_tokens",
+        "p", "prompt", "push", "ticket", "tokens_left", "xfer_end", "xfer_start",
+    )
+
+    def __init__(self, rid: int, arrival: float, prompt: int, out_tokens: int, blocks: int, push: bool) -> None:
+        self.id = rid
+        self.arrival = arrival
+        self.prompt = prompt
+        self.out_tokens = out_tokens
+        self.blocks = blocks
+        self.push = push
+        self.attempt = 0
+        self.key = ""
+        self.p: _PEngine | None = None
+        self.d: _DEngine | None = None
+        self.lease: _Lease | None = None
+        self.ticket: LeaseTicket | None = None
+        self.tokens_left = out_tokens
+        self.done_ranks = 0
+        self.failed = False
+        self.xfer_start = 0.0
+        self.xfer_end = 0.0
+
+
+class _FixedPinner:
+    """Baseline model (not kvlease): free at grant + T, or when `expected` read-dones came."""
+
+    __slots__ = ("by_key", "heap", "leases", "next_id", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.leases: dict[int, list[Any]] = {}  # id -> [expiry, key, done, expected]
+        self.by_key: dict[str, int] = {}
+        self.heap: list[tuple[float, int]] = []
+        self.next_id = 1
+
+    def grant(self, now: float, key: str) -> int:
+        lid = self.next_id
+        self.next_id += 1
+        self.leases[lid] = [now + self.timeout, key, 0]
+        self.by_key[key] = lid
+        heapq.heappush(self.heap, (now + self.timeout, lid))
+        return lid
+
+    def done(self, now: float, key: str, count: int) -> Free | None:
+        lid = self.by_key.get(key)
+        if lid is None or lid not in self.leases:
+            return None
+        rec = self.leases[lid]
+        rec[2] += 1
+        if rec[2] >= count:
+            return self._end(lid, EndReason.ACCESS_DONE, now)
+        return None
+
+    def handle_timeout(self, now: float) -> list[Free]:
+        out = []
+        while self.heap and self.heap[0][0] <= now:
+            _, lid = heapq.heappop(self.heap)
+            if lid in self.leases:
+                out.append(self._end(lid, EndReason.EXPIRED, now))
+        return out
+
+    def next_deadline(self) -> float | None:
+        while self.heap and self.heap[0][1] not in self.leases:
+            heapq.heappop(self.heap)
+        return self.heap[0][0] if self.heap else None
+
+    def _end(self, lid: int, reason: EndReason, now: float) -> Free:
+        rec = self.leases.pop(lid)
+        self.by_key.pop(rec[1], None)
+        return Free(lid, rec[1], reason, LocalTime(now))
+
+
+class _Engine:
+    __slots__ = (
+        "alive",
+        "clock",
+        "gen",
+        "inbox",
+        "name",
+        "step_end",
+        "stepping",
+        "tp",
+        "wake_at",
+    )
+
+    def __init__(self, name: str, tp: int, clock: _Clock) -> None:
+        self.name = name
+        self.tp = tp
+        self.clock = clock
+        self.alive = True
+        self.gen = 0  # bumped on crash/restart: stale events and messages are dropped
+        self.inbox: list[tuple[int, bytes]] = []
+        self.stepping = False
+        self.step_end = 0.0
+        self.wake_at = _INF
+
+
+class _PEngine(_Engine):
+    __slots__ = ("current", "fixed", "incarnation", "live", "pinners", "queue")
+
+    def __init__(self, name: str, tp: int, clock: _Clock) -> None:
+        super().__init__(name, tp, clock)
+        self.queue: deque[_Req] = deque()
+        self.current: _Req | None = None
+        self.pinners: list[Pinner] = []
+        self.fixed: list[_FixedPinner] = []
+        self.incarnation = 0
+        self.live: dict[int, _Lease] = {}
+
+
+class _DEngine(_Engine):
+    __slots__ = (
+        "accessors", "hb_due", "replies", "reqs", "running", "slots", "stall", "transfers", "waiting",
+    )
+
+    def __init__(self, name: str, tp: int, slots: int, clock: _Clock) -> None:
+        super().__init__(name, tp, clock)
+        self.slots = slots
+        self.accessors: list[Accessor] = []
+        self.replies: list[tuple[int, bytes]] = []
+        self.reqs: dict[str, _Req] = {}
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self.transfers: list[_Req] = []
+        self.stall = 0.0
+        self.hb_due = _INF  # vLLM-style heartbeats
+
+
+class Cluster:
+    """One run of one policy on one scenario. `run()` returns the `RunResult`.
+
+    `pinner_factory` / `accessor_factory` build the core objects (a test passes deliberately
+    broken doubles to show the checks can fail). With `check=True` every safety and liveness
+    claim is checked as the run goes and violations are collected; `trace=True` records an
+    event trace (slower) for the campaign's minimized reports.
+    """
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: Policy = Policy.KVLEASE,
+        *,
+        pinner_factory: PinnerFactory | None = None,
+        accessor_factory: AccessorFactory | None = None,
+        check: bool = False,
+        trace: bool = False,
+    ) -> None:
+        self.sc = scenario
+        self.policy = policy
+        self.cfg = scenario.config
+        if policy is Policy.VLLM_HB:
+            self.cfg = self.cfg.with_changes(vllm_compat=True)
+        self.pinner_factory: PinnerFactory = pinner_factory or (
+            lambda c, e, inc, r, n: Pinner(c, e, inc, rank=r, ranks=n)
+        )
+        self.accessor_factory: AccessorFactory = accessor_factory or (
+            lambda c, e, r, n: Accessor(c, e, rank=r, ranks=n)
+        )
+        self.check = check
+        self.rng = random.Random(scenario.seed)
+        self.net_rng = random.Random(scenario.seed ^ 0x5EED)
+        self.result = RunResult(policy.value, scenario.seed, scenario.workload.duration)
+        if trace:
+            self.result.trace = []
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.pinned = 0.0
+        self._last_pin_t = 0.0
+        self.dead_pinned = 0.0
+        self.partitions: dict[tuple[str, str], int] = {}
+        self.leases: dict[tuple[str, int, int], _Lease] = {}
+        self.all_leases: list[_Lease] = []
+        self.next_req = 0
+        wl = scenario.workload
+        self.p_step_max = wl.prefill_base + wl.prefill_per_token * wl.prompt_tokens[1]
+        drift = scenario.drift
+        self.p: dict[str, _PEngine] = {}
+        self.d: dict[str, _DEngine] = {}
+        for spec in scenario.prefill:
+            pe = _PEngine(spec.name, spec.tp, self._new_clock(drift))
+            self._start_pinner(pe)
+            self.p[spec.name] = pe
+        for dspec in scenario.decode:
+            de = _DEngine(dspec.name, dspec.tp, dspec.slots, self._new_clock(drift))
+            self._start_accessor(de)
+            self.d[dspec.name] = de
+        self.engines: dict[str, _Engine] = {**self.p, **self.d}
+        self.router_down: dict[str, bool] = dict.fromkeys(self.engines, False)
+
+    # -- infrastructure -----------------------------------------------------------------------
+
+    def _new_clock(self, drift: float) -> _Clock:
+        # Clocks at the bound half the time: that is where drift bugs live.
+        r = self.rng.choice((-drift, drift, self.rng.uniform(-drift, drift)))
+        return _Clock(self.rng.uniform(1e4, 2e5), 1.0 + r)
+
+    def _at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def _trace(self, who: str, what: str, detail: str) -> None:
+        tr = self.result.trace
+        if tr is not None:
+            tr.append((round(self.now, 9), who, what, detail))
+
+    def _violate(self, claim: str, detail: str, lease: _Lease | None = None) -> None:
+        v = Violation(claim, self.now, detail, lease.name if lease else "", lease.key if lease else "")
+        self.result.violations.append(v)
+        self._trace("check", "VIOLATION", f"{claim}: {detail}")
+
+    def _set_pinned(self, delta: float, dead_delta: float = 0.0) -> None:
+        t = self.now
+        dt = t - self._last_pin_t
+        if dt > 0:
+            self.result.pinned_block_seconds += self.pinned * dt
+            self.result.dead_block_seconds += self.dead_pinned * dt
+            self._last_pin_t = t
+        self.pinned += delta
+        self.dead_pinned += dead_delta
+        if self.pinned > self.result.peak_pinned_blocks:
+            self.result.peak_pinned_blocks = self.pinned
+
+    def run(self) -> RunResult:
+        sc = self.sc
+        wl = sc.workload
+        for f in sc.faults:
+            self._at(f.at, self._fault, f)
+        self._at(0.0, self._arrival, None)
+        if wl.sample_every > 0:
+            self._at(0.0, self._sample, None)
+        heap = self._heap
+        end = wl.duration
+        events = 0
+        pop = heapq.heappop
+        while heap:
+            t, _, fn, arg = pop(heap)
+            if t > end:
+                break
+            self.now = t
+            events += 1
+            fn(arg)
+        self.now = end
+        self._set_pinned(0.0)
+        self.result.events = events
+        if self.check:
+            self._final_checks()
+        return self.result
+
+    def _sample(self, _: Any) -> None:
+        self.result.timeline.append((round(self.now, 6), round(self.pinned, 6)))
+        self._at(self.now + self.sc.workload.sample_every, self._sample, None)
+
+    # -- workload and router --------------------------------------------------------------------
+
+    def _rate(self, t: float) -> float:
+        wl = self.sc.workload
+        for start, length, rate in wl.bursts:
+            if start <= t < start + length:
+                return rate
+        return wl.rate
+
+    def _arrival(self, _: Any) -> None:
+        wl = self.sc.workload
+        if self.next_req < self.sc.max_requests:
+            rng = self.rng
+            prompt = rng.randint(*wl.prompt_tokens)
+            req = _Req(
+                self.next_req, self.now, prompt, rng.randint(*wl.output_tokens),
+                max(1, -(-prompt // wl.block_tokens)), rng.random() < wl.push_fraction,
+            )
+            self.next_req += 1
+            self.result.requests += 1
+            self._route(req)
+            self._at(self.now + rng.expovariate(self._rate(self.now)), self._arrival, None)
+
+    def _route(self, req: _Req) -> None:
+        ps = [e for e in self.p.values() if not self.router_down[e.name]]
+        ds = [e for e in self.d.values() if not self.router_down[e.name]]
+        if not ps or not ds:
+            self._at(self.now + self.sc.workload.client_retry, self._retry, req)
+            return
+        p = min(ps, key=lambda e: (len(e.queue) + (e.current is not None), e.name))
+        d = min(ds, key=lambda e: (len(e.reqs) / e.slots, e.name))
+        req.attempt += 1
+        req.key = f"r{req.id}.{req.attempt}"
+        req.p, req.d = p, d
+        self._at(self.now + self.sc.workload.router_delay, self._p_enqueue, (p, p.gen, req))
+
+    def _retry(self, req: _Req) -> None:
+        self._route(_respawn(req))
+
+    def _recompute(self, req: _Req) -> None:
+        self.result.recomputed += 1
+        self._route(_respawn(req))
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def _fault(self, f: Any) -> None:
+        self._trace(f.engine, f.kind.value, f"duration={f.duration} peer={f.peer}")
+        if f.kind is FaultKind.CRASH:
+            eng = self.engines[f.engine]
+            if not eng.alive:
+                return
+            if isinstance(eng, _PEngine):
+                self._crash_p(eng)
+            else:
+                assert isinstance(eng, _DEngine)
+                self._crash_d(eng)
+            self._at(self.now + self.sc.workload.router_detect, self._router_mark, (eng.name, True))
+            self._at(self.now + f.duration, self._restart, eng)
+        elif f.kind is FaultKind.PARTITION:
+            pair = (f.engine, f.peer) if f.engine < f.peer else (f.peer, f.engine)
+            self.partitions[pair] = self.partitions.get(pair, 0) + 1
+            self._at(self.now + f.duration, self._heal, pair)
+        else:
+            eng = self.engines[f.engine]
+            if isinstance(eng, _DEngine) and eng.alive:
+                eng.stall += f.duration
+                self._poke(eng, self.now)
+
+    def _heal(self, pair: tuple[str, str]) -> None:
+        self._trace(pair[0], "heal", pair[1])
+        self.partitions[pair] -= 1
+        if not self.partitions[pair]:
+            del self.partitions[pair]
+
+    def _cut(self, a: str, b: str) -> bool:
+        if not self.partitions:
+            return False
+        return ((a, b) if a < b else (b, a)) in self.partitions
+
+    def _router_mark(self, arg: tuple[str, bool]) -> None:
+        name, down = arg
+        if down == (not self.engines[name].alive):
+            self.router_down[name] = down
+
+    def _restart(self, eng: _Engine) -> None:
+        self._trace(eng.name, "restart", "")
+        eng.alive = True
+        eng.gen += 1
+        eng.inbox.clear()
+        eng.stepping = False
+        eng.wake_at = _INF
+        if isinstance(eng, _PEngine):
+            self._start_pinner(eng)
+        else:
+            assert isinstance(eng, _DEngine)
+            self._start_accessor(eng)
+        self._at(self.now + self.sc.workload.router_detect / 4, self._router_mark, (eng.name, False))
+
+    def _start_pinner(self, pe: _PEngine) -> None:
+        pe.incarnation = self.rng.getrandbits(64)
+        timeout = self.policy.fixed_timeout
+        if timeout is not None:
+            pe.fixed = [_FixedPinner(timeout) for _ in range(pe.tp)]
+            pe.pinners = []
+        else:
+            pe.pinners = [self.pinner_factory(self.cfg, pe.name, pe.incarnation, r, pe.tp) for r in range(pe.tp)]
+            pe.fixed = []
+
+    def _start_accessor(self, de: _DEngine) -> None:
+        de.accessors = []
+        if self.policy is Policy.KVLEASE:
+            de.accessors = [self.accessor_factory(self.cfg, de.name, r, de.tp) for r in range(de.tp)]
+        de.replies = []
+        de.reqs = {}
+        de.waiting = []
+        de.running = []
+        de.transfers = []
+        de.stall = 0.0
+        de.hb_due = _INF
+
+    def _crash_p(self, pe: _PEngine) -> None:
+        pe.alive = False
+        pe.gen += 1
+        pe.inbox.clear()
+        retry = self.sc.workload.client_retry
+        lost = list(pe.queue) + ([pe.current] if pe.current else [])
+        pe.queue.clear()
+        pe.current = None
+        for req in lost:
+            self._at(self.now + retry, self._retry, req)
+        # Process exit releases every pinned block; not a protocol free.
+        for lease in list(pe.live.values()):
+            for r in range(pe.tp):
+                if r not in lease.freed:
+                    self._memory_released(lease, r, "crash")
+        pe.live.clear()
+
+    def _crash_d(self, de: _DEngine) -> None:
+        de.alive = False
+        de.gen += 1
+        de.inbox.clear()
+        retry = self.sc.workload.client_retry
+        for req in list(de.reqs.values()):
+            lease = req.lease
+            if lease is not None and lease.unfreed:
+                self._mark_dead(lease, crash=True)
+            req.failed = True
+            self._at(self.now + retry, self._retry, req)
+        de.reqs = {}
+        de.accessors = []
+        de.waiting = []
+        de.running = []
+        de.transfers = []
+
+    def _mark_dead(self, lease: _Lease, *, crash: bool = False) -> None:
+        if crash and lease.unfreed and lease.d_crash == _INF:
+            lease.d_crash = self.now  # reclaim latency is measured from here
+        if lease.dead_since == _INF and lease.unfreed:
+            lease.dead_since = self.now
+            self._set_pinned(0.0, lease.blocks * lease.unfreed)
+        lease.req = None
+
+    # -- network ----------------------------------------------------------------------------------
+
+    def _send(self, src: _Engine, dst_name: str, rank: int | None, data: bytes, heartbeat: bool) -> None:
+        dst = self.engines.get(dst_name)
+        res = self.result
+        if dst is None:
+            return
+        n = len(data)
+        ranks = range(dst.tp) if rank is None else (rank,)
+        net = self.sc.network
+        rng = self.net_rng
+        cut = self._cut(src.name, dst_name)
+        for r in ranks:
+            res.messages += 1
+            res.protocol_bytes += n
+            if heartbeat:
+                res.heartbeat_bytes += n
+            if cut or (net.loss and rng.random() < net.loss):
+                res.dropped += 1
+                continue
+            copies = 2 if net.dup and rng.random() < net.dup else 1
+            for _ in range(copies):
+                delay = net.base_delay + (min(rng.expovariate(1.0 / net.jitter), net.cap) if net.jitter > 0 else 0.0)
+                self._at(self.now + delay, self._deliver, (dst, dst.gen, r, data, src.name))
+
+    def _deliver(self, arg: tuple[_Engine, int, int, bytes, str]) -> None:
+        dst, gen, rank, data, src = arg
+        if not dst.alive or dst.gen != gen or self._cut(src, dst.name):
+            self.result.dropped += 1
+            return
+        dst.inbox.append((rank, data))
+        self._poke(dst, self.now)
+
+    def _poke(self, eng: _Engine, t: float) -> None:
+        """Wake an idle engine at `t` (a stepping engine looks at its inbox at the boundary)."""
+        if eng.stepping or t >= eng.wake_at:
+            return
+        eng.wake_at = t
+        self._at(t, self._wake, (eng, eng.gen, t))
+
+    def _wake(self, arg: tuple[_Engine, int, float]) -> None:
+        eng, gen, t = arg
+        if gen != eng.gen or not eng.alive or eng.stepping or t != eng.wake_at:
+            return
+        eng.wake_at = _INF
+        if isinstance(eng, _PEngine):
+            self._p_boundary(eng)
+        else:
+            assert isinstance(eng, _DEngine)
+            self._d_boundary(eng, stepped=False)
+
+    def _step_done(self, arg: tuple[_Engine, int]) -> None:
+        eng, gen = arg
+        if gen != eng.gen or not eng.alive:
+            return
+        eng.stepping = False
+        if isinstance(eng, _PEngine):
+            req = eng.current
+            eng.current = None
+            if req is not None:
+                self._prefilled(eng, req)
+            self._p_boundary(eng)
+        else:
+            assert isinstance(eng, _DEngine)
+            self._d_boundary(eng, stepped=True)
+
+    def _start_step(self, eng: _Engine, duration: float) -> None:
+        eng.stepping = True
+        eng.wake_at = _INF
+        eng.step_end = self.now + duration
+        self._at(eng.step_end, self._step_done, (eng, eng.gen))
+
+    # -- prefill engine (pinner side) ---------------------------------------------------------------
+
+    def _p_enqueue(self, arg: tuple[_PEngine, int, _Req]) -> None:
+        pe, gen, req = arg
+        if not pe.alive or pe.gen != gen:
+            self._at(self.now + self.sc.workload.client_retry, self._retry, req)
+            return
+        pe.queue.append(req)
+        self._poke(pe, self.now)
+
+    def _p_boundary(self, pe: _PEngine) -> None:
+        now = pe.clock.local(self.now)
+        if pe.inbox:
+            inbox = pe.inbox
+            pe.inbox = []
+            for rank, data in inbox:
+                self._p_receive(pe, now, rank, data)
+        if pe.pinners:
+            for r, pinner in enumerate(pe.pinners):
+                for out in pinner.handle_timeout(now):
+                    self._p_output(pe, r, out)
+        else:
+            for r, fixed in enumerate(pe.fixed):
+                for free in fixed.handle_timeout(now):
+                    self._p_output(pe, r, free)
+        if pe.queue:
+            req = pe.queue.popleft()
+            pe.current = req
+            wl = self.sc.workload
+            self._start_step(pe, wl.prefill_base + wl.prefill_per_token * req.prompt)
+            return
+        nd = _INF
+        for pinner in pe.pinners:
+            d = pinner.next_deadline()
+            if d is not None and d < nd:
+                nd = d
+        for fixed in pe.fixed:
+            fd = fixed.next_deadline()
+            if fd is not None and fd < nd:
+                nd = fd
+        if nd < _INF:
+            self._poke(pe, max(self.now, pe.clock.real(nd)))
+
+    def _p_receive(self, pe: _PEngine, now: LocalTime, rank: int, data: bytes) -> None:
+        if pe.pinners and self.policy is Policy.KVLEASE:
+            try:
+                msg = decode(data)
+            except DecodeError as exc:
+                self._violate("codec", f"{pe.name} could not decode: {exc}")
+                return
+            if self.result.trace is not None:
+                self._trace(f"{pe.name}.{rank}", "recv", repr(msg))
+            for out in pe.pinners[rank].receive(now, msg):
+                self._p_output(pe, rank, out)
+            return
+        try:
+            note = decode_vllm(data)
+        except DecodeError as exc:
+            self._violate("codec", f"{pe.name} could not decode a vLLM notification: {exc}")
+            return
+        if isinstance(note, VllmHeartbeat):
+            if pe.pinners:
+                pe.pinners[rank].receive_vllm_heartbeat(now, note.request_ids)
+        elif isinstance(note, VllmAccessDone):
+            if pe.pinners:
+                for out in pe.pinners[rank].receive_vllm_done(now, note.request_id, note.count):
+                    self._p_output(pe, rank, out)
+            else:
+                free = pe.fixed[rank].done(now, note.request_id, note.count)
+                if free is not None:
+                    self._p_output(pe, rank, free)
+
+    def _prefilled(self, pe: _PEngine, req: _Req) -> None:
+        """Prefill finished: pin the blocks under a lease on every rank, send the ticket."""
+        now = pe.clock.local(self.now)
+        self.result.prefills += 1
+        if pe.pinners:
+            ticket = pe.pinners[0].grant(now, req.key, push=req.push)
+            for pinner in pe.pinners[1:]:
+                pinner.grant(now, req.key, push=req.push, lease_id=ticket.lease_id)
+            lid = ticket.lease_id
+            # The ticket travels as JSON-ish transfer params, as vLLM's kv_transfer_params do.
+            req.ticket = LeaseTicket.from_dict(ticket.to_dict())
+        else:
+            lid = pe.fixed[0].grant(now, req.key)
+            for fixed in pe.fixed[1:]:
+                fixed.grant(now, req.key)
+        lease = _Lease(pe, pe.incarnation, lid, req, self.now)
+        req.lease = lease
+        pe.live[lid] = lease
+        self.leases[(pe.name, pe.incarnation, lid)] = lease
+        if self.check:
+            self.all_leases.append(lease)
+        self._set_pinned(req.blocks)
+        self._trace(pe.name, "grant", f"{lease.name} key={req.key} blocks={req.blocks} push={req.push}")
+        d = req.d
+        assert d is not None
+        self._at(self.now + self.sc.workload.router_delay, self._d_arrive, (d, d.gen, req))
+
+    def _p_output(self, pe: _PEngine, rank: int, out: Any) -> None:
+        if isinstance(out, Send):
+            heartbeat = isinstance(out.message, HeartbeatAck)
+            if self.result.trace is not None:
+                self._trace(f"{pe.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {out.message!r}")
+            self._send(pe, out.engine_id, out.rank, encode(out.message), heartbeat)
+        elif isinstance(out, Free):
+            lease = pe.live.get(out.lease_id)
+            self._trace(f"{pe.name}.{rank}", "free", f"{pe.name}/{pe.incarnation}/{out.lease_id} {out.reason.value}")
+            if lease is None or rank in lease.freed:
+                if self.check:
+                    self._violate("one-free", f"{pe.name}.{rank} freed lease {out.lease_id} again ({out.reason.value})")
+                return
+            if out.reason is EndReason.EXPIRED:
+                self._on_expired(pe, rank, lease)
+            self._memory_released(lease, rank, out.reason.value)
+            if not lease.unfreed:
+                del pe.live[out.lease_id]
+        elif isinstance(out, Rejected):
+            self.result.rejected += 1
+            self._trace(f"{pe.name}.{rank}", "rejected", out.reason)
+
+    def _on_expired(self, pe: _PEngine, rank: int, lease: _Lease) -> None:
+        req = lease.req
+        pending = req is not None and not req.failed and req.lease is lease
+        if rank == 0 and pending and req is not None and req.d is not None and req.d.alive:
+            self.result.false_frees += 1
+            if self.check and not lease.troubled:
+                lease.troubled = "expired while its accessor still needed it"
+        if self.check:
+            self._check_reclaim_bound(pe, lease)
+
+    def _memory_released(self, lease: _Lease, rank: int, why: str) -> None:
+        lease.freed[rank] = (self.now, why)
+        lease.unfreed -= 1
+        dead = lease.blocks if lease.dead_since != _INF else 0.0
+        self._set_pinned(-lease.blocks, -dead)
+        if not lease.unfreed and lease.d_crash != _INF:
+            self.result.reclaim_latencies.append(self.now - lease.d_crash)
+
+    # -- decode engine (accessor side) -------------------------------------------------------------------
+
+    def _d_arrive(self, arg: tuple[_DEngine, int, _Req]) -> None:
+        de, gen, req = arg
+        lease = req.lease
+        assert lease is not None
+        if not de.alive or de.gen != gen:
+            self._mark_dead(lease, crash=True)
+            self._at(self.now + self.sc.workload.client_retry, self._retry, req)
+            return
+        de.reqs[req.key] = req
+        de.waiting.append(req)
+        if de.accessors:
+            now = de.clock.local(self.now)
+            assert req.ticket is not None
+            for r, acc in enumerate(de.accessors):
+                for out in acc.track(now, req.key, req.ticket, push=req.push):
+                    self._d_output(de, r, out)
+        elif self.policy is Policy.VLLM_HB and de.hb_due == _INF:
+            de.hb_due = self.now
+        self._trace(de.name, "track", req.key)
+        self._poke(de, self.now)
+
+    def _d_boundary(self, de: _DEngine, *, stepped: bool) -> None:
+        t = self.now
+        now = de.clock.local(t)
+        accessors = de.accessors
+        if de.replies:
+            replies = de.replies
+            de.replies = []
+            for rank, data in replies:
+                msg = decode(data)
+                assert isinstance(msg, HandshakeReply)
+                for out in accessors[rank].handshake_reply(now, msg):
+                    self._d_output(de, rank, out)
+        if de.inbox:
+            inbox = de.inbox
+            de.inbox = []
+            for rank, data in inbox:
+                try:
+                    msg = decode(data)
+                except DecodeError as exc:
+                    self._violate("codec", f"{de.name} could not decode: {exc}")
+                    continue
+                if self.result.trace is not None:
+                    self._trace(f"{de.name}.{rank}", "recv", repr(msg))
+                for out in accessors[rank].receive(now, msg):
+                    self._d_output(de, rank, out)
+        if de.transfers:
+            done = [req for req in de.transfers if req.xfer_end <= t]
+            if done:
+                de.transfers = [req for req in de.transfers if req.xfer_end > t]
+                for req in done:
+                    self._transfer_done(de, now, req)
+        for r, acc in enumerate(accessors):
+            for out in acc.handle_timeout(now):
+                self._d_output(de, r, out)
+        if self.policy is Policy.VLLM_HB and de.hb_due <= t:
+            self._vllm_heartbeat(de)
+        if stepped and de.running:
+            keep = []
+            for req in de.running:
+                req.tokens_left -= 1
+                if req.tokens_left <= 0:
+                    self._finish(de, req)
+                else:
+                    keep.append(req)
+            de.running = keep
+        self._schedule(de, now)
+        if de.running or de.stall > 0:
+            wl = self.sc.workload
+            duration = wl.step_base + wl.step_per_seq * len(de.running) + de.stall
+            if de.stall:
+                self._trace(de.name, "stall", f"{de.stall}")
+            de.stall = 0.0
+            self._start_step(de, duration)
+            return
+        nd = _INF
+        for req in de.transfers:
+            nd = min(nd, req.xfer_end)
+        if accessors:
+            for acc in accessors:
+                ad = acc.next_deadline()
+                if ad is not None:
+                    nd = min(nd, de.clock.real(ad))
+        if de.waiting and any(req.push for req in de.waiting):
+            nd = min(nd, t + self.sc.workload.step_base)  # poll: a push write waits for validity
+        nd = min(nd, de.hb_due)
+        if nd < _INF:
+            self._poke(de, max(t, nd))
+
+    def _vllm_heartbeat(self, de: _DEngine) -> None:
+        by_p: dict[str, list[str]] = {}
+        for req in de.reqs.values():
+            if req.p is not None and req.lease is not None and not req.failed:
+                by_p.setdefault(req.p.name, []).append(req.key)
+        for p_name, keys in by_p.items():
+            data = encode_vllm_heartbeat(keys)
+            for _ in range(de.tp):  # every decode worker heartbeats every prefill worker
+                self._send(de, p_name, None, data, True)
+        de.hb_due = self.now + self.cfg.heartbeat_interval if de.reqs else _INF
+
+    def _schedule(self, de: _DEngine, now: LocalTime) -> None:
+        if not de.waiting:
+            return
+        free = de.slots - len(de.running) - len(de.transfers)
+        if free <= 0:
+            return
+        keep = []
+        for req in de.waiting:
+            if free <= 0 or req.failed:
+                if not req.failed:
+                    keep.append(req)
+                continue
+            if self._begin(de, now, req):
+                free -= 1
+            elif not req.failed:
+                keep.append(req)
+        de.waiting = keep
+
+    def _begin(self, de: _DEngine, now: LocalTime, req: _Req) -> bool:
+        """Ask every rank's accessor; start the transfer only if all allow it."""
+        started: list[int] = []
+        for r, acc in enumerate(de.accessors):
+            dec = acc.begin_access(now, req.key)
+            if not dec.allowed:
+                for s in started:
+                    de.accessors[s].access_failed(now, req.key)  # back to waiting
+                return False
+            started.append(r)
+        wl = self.sc.workload
+        req.xfer_start = self.now
+        req.xfer_end = self.now + wl.transfer_base + wl.transfer_per_block * req.blocks
+        de.transfers.append(req)
+        self._trace(de.name, "begin_access", f"{req.key} until {req.xfer_end:.9f}")
+        return True
+
+    def _transfer_done(self, de: _DEngine, now: LocalTime, req: _Req) -> None:
+        lease = req.lease
+        assert lease is not None and req.p is not None
+        pe = req.p
+        end = req.xfer_end
+        # The transport: a dead or restarted pinner engine, or a cut link, fails the transfer.
+        ok = pe.alive and pe.incarnation == lease.incarnation and not self._cut(de.name, pe.name)
+        ok = ok and not any(why == "crash" for _, why in lease.freed.values())
+        if self.check and ok and req.push:
+            for prank, (ft, why) in lease.freed.items():
+                if ft <= end:
+                    self._violate(
+                        "no-access-overlaps-free",
+                        f"push write {req.key} ran [{req.xfer_start:.9f}, {end:.9f}] but rank {prank} "
+                        f"freed at {ft:.9f} ({why})",
+                        lease,
+                    )
+        self._trace(de.name, "transfer_done", f"{req.key} ok={ok} end={end:.9f}")
+        if req.failed:
+            for r, acc in enumerate(de.accessors):
+                if acc.state_of(req.key) is not None:
+                    acc.access_failed(now, req.key)
+                for out in acc.untrack(now, req.key):
+                    self._d_output(de, r, out)
+            return
+        if not ok:
+            for acc in de.accessors:
+                acc.access_failed(now, req.key)
+            self._fail(de, req, "transfer failed")
+            return
+        if de.accessors:
+            for r, acc in enumerate(de.accessors):
+                for out in acc.access_finished(now, req.key):
+                    self._d_output(de, r, out)
+            return
+        # Baselines: tell the pinner ranks; the data is whatever the blocks hold now.
+        expected, targets = _targets(pe.tp, de.tp)
+        for r in range(de.tp):
+            for pr in targets(r):
+                self._send(de, pe.name, pr, encode_vllm_done(req.key, expected), False)
+        req.done_ranks = de.tp
+        self._accepted(de, req)
+
+    def _accepted(self, de: _DEngine, req: _Req) -> None:
+        """Every rank's access is reported valid: the engine will decode from these blocks."""
+        lease = req.lease
+        assert lease is not None
+        stale = [(r, ft, why) for r, (ft, why) in lease.freed.items() if ft <= req.xfer_end]
+        if stale:
+            self.result.stale_used += 1
+            if self.check or self.policy is Policy.KVLEASE:
+                self._violate(
+                    "no-stale-read-reported-done",
+                    f"{req.key} read [{req.xfer_start:.9f}, {req.xfer_end:.9f}] reported valid; freed: {stale}",
+                    lease,
+                )
+            if self.policy is not Policy.KVLEASE:
+                # Optimistic for the baselines: assume the corruption is noticed and recomputed.
+                self._fail(de, req, "stale data")
+                return
+        self._trace(de.name, "accepted", req.key)
+        de.running.append(req)
+
+    def _finish(self, de: _DEngine, req: _Req) -> None:
+        self.result.completed += 1
+        de.reqs.pop(req.key, None)
+        if req.lease is not None:
+            req.lease.req = None
+
+    def _fail(self, de: _DEngine, req: _Req, why: str) -> None:
+        if req.failed:
+            return
+        req.failed = True
+        self._trace(de.name, "fail", f"{req.key}: {why}")
+        de.reqs.pop(req.key, None)
+        if req in de.running:
+            de.running.remove(req)
+        now = de.clock.local(self.now)
+        for r, acc in enumerate(de.accessors):
+            if acc.state_of(req.key) is not None and req not in de.transfers:
+                for out in acc.untrack(now, req.key):
+                    self._d_output(de, r, out)
+        if req.lease is not None:
+            self._mark_dead(req.lease)
+        self._recompute(req)
+
+    def _trouble(self, req: _Req, what: str) -> None:
+        lease = req.lease
+        if self.check and lease is not None and not lease.troubled:
+            lease.troubled = what
+
+    def _d_output(self, de: _DEngine, rank: int, out: Any) -> None:
+        if isinstance(out, Send):
+            msg = out.message
+            hb = isinstance(msg, Heartbeat)
+            if hb and self.check:
+                assert isinstance(msg, Heartbeat)
+                for lid in msg.lease_ids:
+                    lease = self.leases.get((out.engine_id, msg.incarnation, lid))
+                    if lease is not None:
+                        lease.last_hb = self.now
+            if self.result.trace is not None:
+                self._trace(f"{de.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {msg!r}")
+            self._send(de, out.engine_id, out.rank, encode(msg), hb)
+        elif isinstance(out, HandshakeNeeded):
+            self._side_channel(de, rank, out.engine_id, out.message)
+        elif isinstance(out, LeaseLost):
+            req = de.reqs.get(out.key)
+            self.result.leases_lost += 1
+            self._trace(f"{de.name}.{rank}", "lease_lost", f"{out.key} {out.reason.value}")
+            if req is not None:
+                if out.reason not in (LostReason.PINNER_RESTARTED, LostReason.UNREACHABLE):
+                    self._trouble(req, f"lease lost ({out.reason.value})")
+                if req not in de.transfers:
+                    self._fail(de, req, f"lease lost: {out.reason.value}")
+                else:
+                    req.failed = True
+                    self._fail_later(de, req)
+        elif isinstance(out, AccessStale):
+            self.result.stale_caught += 1
+            req = de.reqs.get(out.key)
+            self._trace(f"{de.name}.{rank}", "access_stale", f"{out.key} {out.reason}")
+            if req is not None:
+                self._trouble(req, f"access stale ({out.reason})")
+                self._fail(de, req, "stale access caught")
+        elif isinstance(out, AccessCompleted):
+            req = de.reqs.get(out.key)
+            if req is not None and not req.failed:
+                req.done_ranks += 1
+                if req.done_ranks == de.tp:
+                    self._accepted(de, req)
+        elif isinstance(out, Rejected):
+            self.result.rejected += 1
+            self._trace(f"{de.name}.{rank}", "rejected", out.reason)
+
+    def _fail_later(self, de: _DEngine, req: _Req) -> None:
+        """A rank lost the lease while the transfer is in flight: the transfer's end decides."""
+        de.reqs.pop(req.key, None)
+        if req.lease is not None:
+            self._mark_dead(req.lease)
+        self._recompute(req)
+
+    def _side_channel(self, de: _DEngine, rank: int, p_name: str, msg: Handshake) -> None:
+        delay = self.sc.network.side_channel_delay
+        self._at(self.now + delay, self._handshake_at_p, (de, de.gen, rank, p_name, encode(msg)))
+
+    def _handshake_at_p(self, arg: tuple[_DEngine, int, int, str, bytes]) -> None:
+        de, gen, rank, p_name, data = arg
+        pe = self.p.get(p_name)
+        if pe is None or not pe.alive or not pe.pinners or self._cut(de.name, p_name):
+            return  # the accessor asks again after an interval
+        msg = decode(data)
+        assert isinstance(msg, Handshake)
+        reply = pe.pinners[0].handshake_reply(pe.clock.local(self.now), msg)
+        self._trace(p_name, "handshake", f"from {de.name}.{rank} inc={reply.incarnation}")
+        back = (de, gen, rank, encode(reply), p_name)
+        self._at(self.now + self.sc.network.side_channel_delay, self._handshake_back, back)
+
+    def _handshake_back(self, arg: tuple[_DEngine, int, int, bytes, str]) -> None:
+        de, gen, rank, data, p_name = arg
+        if not de.alive or de.gen != gen or self._cut(de.name, p_name):
+            return
+        de.replies.append((rank, data))
+        self._poke(de, self.now)
+
+    # -- checks -------------------------------------------------------------------------------------
+
+    def _reclaim_bound(self, lease: _Lease) -> float:
+        """The latest real time the protocol allows `lease` to stay pinned (liveness)."""
+        cfg = self.cfg
+        rho = self.sc.drift
+        slow = 1.0 / (1.0 - rho)
+        pstep = self.p_step_max
+        net = self.sc.network
+        guard = cfg.push_guard * slow if lease.push else 0.0
+        initial = lease.granted + cfg.kv_lease_duration * slow
+        renewed = lease.last_hb + net.max_delay + pstep + cfg.lease_extension * slow
+        return max(initial, renewed) + pstep + guard + 1e-9
+
+    def _check_reclaim_bound(self, pe: _PEngine, lease: _Lease) -> None:
+        bound = self._reclaim_bound(lease)
+        if self.now > bound:
+            self._violate(
+                "dead-accessor-freed-in-time",
+                f"expired at {self.now:.9f}, bound {bound:.9f} (granted {lease.granted:.9f}, last heartbeat "
+                f"{lease.last_hb:.9f})",
+                lease,
+            )
+
+    def _clean(self, lease: _Lease, end: float) -> bool:
+        """Did the lease live on a fault-free path (the liveness claim's premise)?"""
+        sc = self.sc
+        if sc.network.loss > 0:
+            return False
+        p, d = lease.p.name, lease.d_name
+        lo = lease.granted - 2 * self.cfg.kv_lease_duration
+        for f in sc.faults:
+            if f.at > end or f.at + f.duration < lo:
+                continue
+            if f.engine in (p, d) or f.peer in (p, d):
+                return False
+        return True
+
+    def _final_checks(self) -> None:
+        end = self.sc.workload.duration
+        for lease in self.all_leases:
+            if lease.unfreed and lease.p.alive and lease.p.incarnation == lease.incarnation:
+                bound = self._reclaim_bound(lease)
+                if end > bound + self.p_step_max:
+                    self._violate("dead-accessor-freed-in-time", f"still pinned at the end; bound {bound:.9f}", lease)
+            if lease.troubled and self._clean(lease, end):
+                self._violate("live-accessor-keeps-lease", lease.troubled, lease)
+
+
+def _targets(p_ranks: int, a_ranks: int) -> tuple[int, Callable[[int], Sequence[int]]]:
+    """vLLM's heterogeneous-TP read mapping (as `Accessor._pinner_targets`)."""
+    if p_ranks >= a_ranks:
+        k = p_ranks // a_ranks
+        return 1, lambda r: range(r * k, (r + 1) * k)
+    k = a_ranks // p_ranks
+    return k, lambda r: range(r // k, r // k + 1)
+
+
+def _respawn(req: _Req) -> _Req:
+    """The same client request, tried again (a fresh object: the old attempt's transfer may
+    still be in flight and must keep its own key)."""
+    new = _Req(req.id, req.arrival, req.prompt, req.out_tokens, req.blocks, req.push)
+    new.attempt = req.attempt
+    return new

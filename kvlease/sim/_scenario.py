@@ -1,0 +1,260 @@
+"""What a simulation run is made of: engines, workload, network, faults, policy.
+
+Plain frozen values, so a scenario can be printed, compared, written to JSON and replayed. The
+two builders here make the default policy-comparison scenario and the small adversarial
+scenarios of the fault campaign; both are pure functions of their arguments (a seed included).
+Owns no state and never reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from typing import Any
+
+import attrs
+
+from .._config import LeaseConfig
+
+__all__ = [
+    "EngineSpec",
+    "Fault",
+    "FaultKind",
+    "NetworkSpec",
+    "Policy",
+    "Scenario",
+    "WorkloadSpec",
+    "campaign_scenario",
+    "default_scenario",
+]
+
+
+class Policy(enum.Enum):
+    """How the pinner decides when to free. The two FIXED ones are simple baseline models
+    written for the simulator (no kvlease core involved): the pinner frees at grant + T or on
+    read-done, and the decoder never heartbeats (vLLM before leases, with
+    ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``)."""
+
+    #: Baseline model: free at grant + 480 s or on read-done; no heartbeats.
+    FIXED_480 = "fixed-480s"
+    #: Baseline model: free at grant + 30 s or on read-done; no heartbeats.
+    FIXED_30 = "fixed-30s"
+    #: The real kvlease core on both sides: heartbeats, acks, validity, confirmation.
+    KVLEASE = "kvlease"
+    #: vLLM-style silent heartbeats: the real `Pinner` (vllm_compat) renews on ``HB:`` and
+    #: frees on ``id:count``, but nothing is acknowledged, so a decoder reads blocks that
+    #: expired under it without knowing (the stale reads kvlease's acks catch).
+    VLLM_HB = "vllm-hb"
+
+    @property
+    def fixed_timeout(self) -> float | None:
+        if self is Policy.FIXED_480:
+            return 480.0
+        if self is Policy.FIXED_30:
+            return 30.0
+        return None
+
+
+class FaultKind(enum.Enum):
+    CRASH = "crash"  # the engine dies at `at`, restarts (new incarnation) after `duration`
+    PARTITION = "partition"  # no message between `engine` and `peer` for `duration`
+    STALL = "stall"  # the engine's forward pass starting at `at` takes `duration` longer
+
+
+@attrs.frozen
+class Fault:
+    kind: FaultKind
+    at: float
+    duration: float
+    engine: str
+    peer: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind.value, "at": self.at, "duration": self.duration, "engine": self.engine}
+        if self.peer:
+            d["peer"] = self.peer
+        return d
+
+
+@attrs.frozen
+class EngineSpec:
+    name: str
+    tp: int
+    #: Decode engines: sequences decoded at once. Prefill engines: unused.
+    slots: int = 32
+
+
+@attrs.frozen
+class NetworkSpec:
+    """Notification channel: each message (per destination worker) is lost with `loss`,
+    duplicated with `dup`, and delayed by ``base + min(Exp(jitter), cap)`` — independent
+    delays reorder messages. The handshake side channel is reliable (TCP) but fails across a
+    partition or to a dead engine."""
+
+    base_delay: float = 0.0002
+    jitter: float = 0.0005
+    cap: float = 0.02
+    loss: float = 0.0
+    dup: float = 0.0
+    side_channel_delay: float = 0.001
+
+    @property
+    def max_delay(self) -> float:
+        return self.base_delay + self.cap
+
+
+@attrs.frozen
+class WorkloadSpec:
+    duration: float = 900.0
+    rate: float = 5.0  # requests per second outside bursts
+    #: (start, length, rate) windows during which arrivals come at `rate` instead.
+    bursts: tuple[tuple[float, float, float], ...] = ()
+    prompt_tokens: tuple[int, int] = (512, 4096)
+    output_tokens: tuple[int, int] = (64, 512)
+    block_tokens: int = 16
+    #: Prefill time = base + per-token * prompt tokens (seconds).
+    prefill_base: float = 0.02
+    prefill_per_token: float = 0.00002
+    #: Decode step = base + per-sequence * running sequences (seconds).
+    step_base: float = 0.02
+    step_per_seq: float = 0.0005
+    #: KV transfer time = base + per-block * blocks (seconds).
+    transfer_base: float = 0.002
+    transfer_per_block: float = 0.00005
+    #: Router -> decoder and ticket delay (seconds).
+    router_delay: float = 0.002
+    #: How long the router keeps sending to an engine after it died.
+    router_detect: float = 2.0
+    #: A client resubmits a request lost with a crashed engine after this long.
+    client_retry: float = 1.0
+    #: Fraction of requests in push mode (the accessor WRITEs; begin_access must be guaranteed).
+    push_fraction: float = 0.0
+    #: Sample the pinned-memory timeline every this many seconds.
+    sample_every: float = 1.0
+
+
+@attrs.frozen
+class Scenario:
+    seed: int
+    prefill: tuple[EngineSpec, ...]
+    decode: tuple[EngineSpec, ...]
+    workload: WorkloadSpec = WorkloadSpec()
+    network: NetworkSpec = NetworkSpec()
+    faults: tuple[Fault, ...] = ()
+    config: LeaseConfig = attrs.field(factory=LeaseConfig)
+    #: Each engine's clock runs at (1 + r) with |r| <= this (real drift; the config's
+    #: `max_drift_rate` is what the protocol *assumes*; a test may make them disagree).
+    drift: float = 1e-4
+    #: Give requests a hard cap (the campaign keeps seeds small).
+    max_requests: int = 1 << 30
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "prefill": [attrs.asdict(e) for e in self.prefill],
+            "decode": [attrs.asdict(e) for e in self.decode],
+            "workload": attrs.asdict(self.workload),
+            "network": attrs.asdict(self.network),
+            "faults": [f.to_json() for f in self.faults],
+            "config": attrs.asdict(self.config),
+            "drift": self.drift,
+            "max_requests": self.max_requests,
+        }
+
+
+def default_scenario(
+    seed: int = 1,
+    *,
+    duration: float = 900.0,
+    rate: float = 5.0,
+    crash_at: float | None = 240.0,
+    burst: tuple[float, float, float] | None = (200.0, 60.0, 25.0),
+) -> Scenario:
+    """The policy comparison: 3 prefill engines (TP 2, 1, 2), 4 decode engines (TP 1, 2, 1, 1),
+    a decoder crash at `crash_at` (restarting 30 s later), and an arrival burst that overloads
+    the decoders so requests queue for longer than 30 s."""
+    faults: tuple[Fault, ...] = ()
+    if crash_at is not None:
+        faults = (Fault(FaultKind.CRASH, crash_at, 30.0, "D1"),)
+    return Scenario(
+        seed=seed,
+        prefill=(EngineSpec("P0", 2), EngineSpec("P1", 1), EngineSpec("P2", 2)),
+        decode=(EngineSpec("D0", 1), EngineSpec("D1", 2, 48), EngineSpec("D2", 1), EngineSpec("D3", 1)),
+        workload=WorkloadSpec(duration=duration, rate=rate, bursts=(burst,) if burst else ()),
+        faults=faults,
+    )
+
+
+def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenario:
+    """A small adversarial scenario: short leases (so expiry happens within seconds), clocks
+    at the drift bound, lossy/duplicating/reordering network, crashes, partitions, and
+    forward-pass stalls around the lease extension. Sized to run in ~10-30 ms."""
+    rng = random.Random(seed * 7919 + 17)
+    duration_lease = rng.choice((0.6, 1.2, 3.0))
+    cfg = config or LeaseConfig(
+        kv_lease_duration=duration_lease,
+        max_drift_rate=rng.choice((1e-4, 1e-3, 1e-2)),
+        max_access_time=duration_lease / 10.0,
+        validity_margin=duration_lease / 100.0,
+        max_message_bytes=rng.choice((128, 256, 1024)),
+    )
+    ext = cfg.lease_extension
+    horizon = duration_lease * 12.0
+    n_p, n_d = rng.randint(1, 2), rng.randint(1, 2)
+    prefill = tuple(EngineSpec(f"P{i}", rng.choice((1, 2, 4))) for i in range(n_p))
+    decode = tuple(EngineSpec(f"D{i}", rng.choice((1, 2)), rng.randint(1, 4)) for i in range(n_d))
+    lossy = rng.random() < 0.6
+    network = NetworkSpec(
+        base_delay=rng.uniform(0.0, 0.002),
+        jitter=rng.uniform(0.0, ext / 20.0),
+        cap=ext / 8.0,
+        loss=rng.choice((0.05, 0.2, 0.4)) if lossy else 0.0,
+        dup=rng.choice((0.0, 0.1, 0.3)),
+        side_channel_delay=rng.uniform(0.0, 0.01),
+    )
+    names = [e.name for e in prefill] + [e.name for e in decode]
+    faults: list[Fault] = []
+    for _ in range(rng.randint(0, 4)):
+        kind = rng.choice((FaultKind.CRASH, FaultKind.PARTITION, FaultKind.STALL, FaultKind.STALL))
+        at = rng.uniform(0.0, horizon * 0.8)
+        if kind is FaultKind.STALL:
+            eng = rng.choice(decode).name
+            # Around the extension: the window where validity, expiry and access meet.
+            faults.append(Fault(kind, at, rng.uniform(0.5, 1.3) * ext, eng))
+        elif kind is FaultKind.CRASH:
+            faults.append(Fault(kind, at, rng.uniform(0.1, 2.0) * duration_lease, rng.choice(names)))
+        else:
+            p, d = rng.choice(prefill).name, rng.choice(decode).name
+            faults.append(Fault(kind, at, rng.uniform(0.2, 2.5) * ext, d, p))
+    faults.sort(key=lambda f: (f.at, f.engine))
+    step = duration_lease / 60.0
+    workload = WorkloadSpec(
+        duration=horizon,
+        rate=rng.uniform(1.0, 4.0) / duration_lease,
+        bursts=((rng.uniform(0, horizon / 2), horizon / 6, 12.0 / duration_lease),) if rng.random() < 0.5 else (),
+        prompt_tokens=(16, 512),
+        output_tokens=(2, 40),
+        prefill_base=step / 2,
+        prefill_per_token=step / 2000,
+        step_base=step,
+        step_per_seq=step / 10,
+        transfer_base=cfg.max_access_time / 20,
+        transfer_per_block=cfg.max_access_time / 100,
+        router_delay=step / 4,
+        router_detect=duration_lease / 2,
+        client_retry=duration_lease / 4,
+        push_fraction=rng.choice((0.0, 0.3, 1.0)),
+        sample_every=horizon,
+    )
+    drift = cfg.max_drift_rate
+    return Scenario(
+        seed=seed,
+        prefill=prefill,
+        decode=decode,
+        workload=workload,
+        network=network,
+        faults=tuple(faults),
+        config=cfg,
+        drift=drift,
+        max_requests=60,
+    )
