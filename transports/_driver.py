@@ -282,6 +282,9 @@ class Driver:
         if key in self._accesses:
             return AccessDecision(False, False, None, "an access is already in flight")
         engine_id = self._track_engine.get(key)
+        if engine_id is not None and not accessor.is_connected(engine_id):
+            # The transport learns where the pinner's workers are from the handshake.
+            return AccessDecision(False, False, None, "handshake with the pinner engine is pending")
         now = self.now()
         decision = accessor.begin_access(now, key)
         if not decision.allowed or engine_id is None:
