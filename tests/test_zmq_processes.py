@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _proc_helpers import TEST_LEASE, Agent, spawn_pair
 
 from kvlease import LeaseConfig
-
-from _proc_helpers import TEST_LEASE, Agent, spawn_pair
 
 pytest.importorskip("zmq")
 
