@@ -488,15 +488,15 @@ def hetero_tp_accessor_wider() -> Recorder:
 
 def release() -> Recorder:
     r = Recorder("release", "Aborts before access. req-1: the decoder untracks it and sends "
-                 "Release; the pinner frees at once. req-2: the prefill engine aborts locally; "
-                 "the next heartbeat's ack tells the decoder it was released. Duplicate releases "
-                 "do nothing.",
+                 "Release; the pinner frees at once. req-2: the prefill engine aborts locally "
+                 "before any heartbeat for it was acknowledged (so no accessor can hold validity "
+                 "and it may free at once); the decoder tracks it later and the first heartbeat's "
+                 "ack tells it the lease was released. Duplicate releases do nothing.",
                  BASE, {"P": pinner("prefill-0", 0x5EED000B), "D": accessor("decode-0")},
                  {"P": 1000.0, "D": 2000.0})
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
-    r.at(0.0).step("D", "track", key="req-2", ticket=t2)
     connect(r, "D", "P", hs, 0.25)
     heartbeat_round(r, "D", ["P"], 0.375)
     rel = only(r.at(1.0).step("D", "untrack", key="req-1"), "Send")
@@ -506,6 +506,7 @@ def release() -> Recorder:
     assert r.at(1.25).deliver("P", rel, "duplicate Release")["outputs"] == []
     assert only(r.at(1.3).step("P", "release", lease_id=2), "Free")["reason"] == "released"
     assert r.at(1.3).step("P", "release", lease_id=2, note="already ended: harmless")["outputs"] == []
+    assert r.at(1.35).step("D", "track", key="req-2", ticket=t2)["outputs"] == []
     acks = heartbeat_round(r, "D", ["P"], 1.375)
     assert len(acks) == 1
     lost = only(acks[0], "LeaseLost")
