@@ -463,8 +463,9 @@ class Driver:
                     msg = out.message
                     if isinstance(msg, Heartbeat):
                         stats.heartbeats_sent += 1
-                    replies = isinstance(msg, HeartbeatAck | AccessDoneAck)
-                    self._send(now, out.engine_id, out.rank, encode(msg), expect_reply=not replies)
+                    # Only these are answered, so only these can show a peer is silent.
+                    answered = isinstance(msg, Heartbeat) or (isinstance(msg, AccessDone) and msg.confirm)
+                    self._send(now, out.engine_id, out.rank, encode(msg), expect_reply=answered)
                 case Free():
                     if out.reason is EndReason.EXPIRED:
                         stats.leases_expired += 1

