@@ -329,7 +329,10 @@ class NixlTransport:
         local = self._register(tensor)
         self._regions[region] = local
         addr, nbytes, mem_type, dev = local.desc
-        self._announce(["+", [region, addr, nbytes, mem_type, dev]])
+        # Peers hold our agent metadata from their handshake, which lacks this registration's
+        # remote keys: ship them (partial metadata; add_remote_agent merges it).
+        meta = self._agent.get_partial_agent_metadata(local.reg, False)
+        self._announce(["+", [region, addr, nbytes, mem_type, dev], meta])
         return nbytes
 
     def unregister(self, region: str) -> None:
@@ -411,6 +414,7 @@ class NixlTransport:
             change = msgpack.unpackb(body, raw=False)
             if change[0] == "+":
                 r = RemoteRegion.from_wire(change[1])
+                self._agent.add_remote_agent(bytes(change[2]))
                 peer.regions[r.name] = r
             elif change[0] == "-" and isinstance(change[1], str):
                 peer.regions.pop(change[1], None)
@@ -543,6 +547,9 @@ class NixlTransport:
             peer = _Peer(engine_id, rank, agent)
             self._peers[(engine_id, rank)] = peer
             self._by_agent[agent] = peer
+        else:
+            # Same agent, fresher metadata (memory registered since): add_remote_agent merges.
+            self._agent.add_remote_agent(bytes(info["metadata"]))
         if "regions" in info:
             peer.regions = {r.name: r for r in map(RemoteRegion.from_wire, info["regions"])}
         if isinstance(info.get("address"), str):
