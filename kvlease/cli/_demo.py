@@ -39,7 +39,9 @@ BLOCK_SIZE = 4096
 
 
 class _Child:
-    def __init__(self, role: str, spec: dict[str, Any], events: queue.Queue[tuple[str, dict[str, Any]]], env: dict[str, str]) -> None:
+    def __init__(
+        self, role: str, spec: dict[str, Any], events: queue.Queue[tuple[str, dict[str, Any]]], env: dict[str, str]
+    ) -> None:
         self.role = role
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvlease.cli._demo_proc", role, json.dumps(spec)],
@@ -257,7 +259,9 @@ class _View:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed:.0f}/{task.total:.0f}"),
             TimeElapsedColumn(),
         )
         self.task = self.progress.add_task("scenarios", total=len(scenarios))
@@ -326,8 +330,11 @@ def _summary_table(results: list[ScenarioResult], config: LeaseConfig, bounds: B
     t.add_column("claims")
     for r in results:
         broken = [c for c in r.claims if not c.ok]
-        status = f"[green]{len(r.claims)}/{len(r.claims)} ok[/]" if not broken else "[red]BROKEN: " + "; ".join(
-            f"{c.name} ({c.detail})" for c in broken) + "[/]"
+        status = (
+            f"[green]{len(r.claims)}/{len(r.claims)} ok[/]"
+            if not broken
+            else "[red]BROKEN: " + "; ".join(f"{c.name} ({c.detail})" for c in broken) + "[/]"
+        )
         t.add_row(r.name, r.transport, r.kvlease, r.baseline, status)
     return t
 
@@ -345,24 +352,56 @@ def _check_transport(transport: str) -> None:
         try:
             import zmq  # noqa: F401
         except ImportError:
-            raise click.UsageError("--transport zmq needs pyzmq; install the extra: pip install 'kvlease[zmq]'") from None
+            raise click.UsageError(
+                "--transport zmq needs pyzmq; install the extra: pip install 'kvlease[zmq]'"
+            ) from None
 
 
 @click.command()
-@click.option("--scenario", "scenario", type=click.Choice([*SCENARIOS, "all"]), default="all", show_default=True,
-              help="Which scenario to play.")
-@click.option("--lease", "lease", type=float, default=2.5, show_default=True,
-              help="Initial lease (kv_lease_duration), seconds; heartbeat interval and extension derive from it.")
+@click.option(
+    "--scenario",
+    "scenario",
+    type=click.Choice([*SCENARIOS, "all"]),
+    default="all",
+    show_default=True,
+    help="Which scenario to play.",
+)
+@click.option(
+    "--lease",
+    "lease",
+    type=float,
+    default=2.5,
+    show_default=True,
+    help="Initial lease (kv_lease_duration), seconds; heartbeat interval and extension derive from it.",
+)
 @click.option("--requests", "requests", type=int, default=8, show_default=True, help="Requests (leases) per scenario.")
-@click.option("--transport", "transport", type=click.Choice(["zmq", "nixl"]), default="zmq", show_default=True,
-              help="ZMQ on loopback, or NIXL over UCX with real registered memory.")
+@click.option(
+    "--transport",
+    "transport",
+    type=click.Choice(["zmq", "nixl"]),
+    default="zmq",
+    show_default=True,
+    help="ZMQ on loopback, or NIXL over UCX with real registered memory.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable results instead of the tables.")
-@click.option("--metrics-port", "metrics_port", type=click.IntRange(0, 65535), default=None,
-              help="Serve Prometheus metrics of both processes on 127.0.0.1:PORT during the run.")
-@click.option("--log-level", "log_level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
-              default="error", show_default=True, help="Log level of the demo and its processes (stderr).")
-def demo(scenario: str, lease: float, requests: int, transport: str, as_json: bool, metrics_port: int | None,
-         log_level: str) -> None:
+@click.option(
+    "--metrics-port",
+    "metrics_port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics of both processes on 127.0.0.1:PORT during the run.",
+)
+@click.option(
+    "--log-level",
+    "log_level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="error",
+    show_default=True,
+    help="Log level of the demo and its processes (stderr).",
+)
+def demo(
+    scenario: str, lease: float, requests: int, transport: str, as_json: bool, metrics_port: int | None, log_level: str
+) -> None:
     """Run a pinner (P) and an accessor (D) as two OS processes on loopback and play the lease
     scenarios, each beside the baseline it replaces. Exits non-zero if any safety or liveness
     claim (checked against bounds derived from the lease configuration) was broken."""
@@ -402,9 +441,13 @@ def demo(scenario: str, lease: float, requests: int, transport: str, as_json: bo
         out = {
             "ok": ok,
             "transport": transport,
-            "config": {"kv_lease_duration": config.kv_lease_duration, "heartbeat_interval": bounds.interval,
-                       "lease_extension": bounds.extension, "accessor_extension": bounds.accessor_extension,
-                       "max_access_time": config.max_access_time},
+            "config": {
+                "kv_lease_duration": config.kv_lease_duration,
+                "heartbeat_interval": bounds.interval,
+                "lease_extension": bounds.extension,
+                "accessor_extension": bounds.accessor_extension,
+                "max_access_time": config.max_access_time,
+            },
             "bounds": {"reclaim_s": bounds.reclaim, "slack_s": bounds.slack},
             "scenarios": [r.to_json() for r in results],
         }

@@ -54,8 +54,17 @@ class AccessorLink(Link, Protocol):
 class ZmqLink:
     """Both ends of the ZMQ loopback link; the pinner binds, the accessor connects."""
 
-    def __init__(self, *, bind: bool, endpoint: str = "tcp://127.0.0.1:*", block_size: int = 4096, blocks: int = 0) -> None:
-        self._ctx = zmq.Context.instance()
+    def __init__(
+        self,
+        *,
+        bind: bool,
+        endpoint: str = "tcp://127.0.0.1:*",
+        block_size: int = 4096,
+        blocks: int = 0,
+        blocks_per_request: int = 16,
+        epoch: float = 0.0,
+    ) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PAIR)
         self._sock.setsockopt(zmq.LINGER, 0)
         if bind:
@@ -108,4 +117,4 @@ class ZmqLink:
         self._sock.send_multipart([b"R", json.dumps({"key": key, "blocks": blocks}).encode()], zmq.NOBLOCK)
 
     def close(self) -> None:
-        self._sock.close(0)
+        self._sock.close(linger=500)  # let the last access-done and bye frames go

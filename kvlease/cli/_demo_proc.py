@@ -46,7 +46,7 @@ from kvlease import (
     encode,
 )
 
-from ..transports._stats import TransportStats
+from ..transports._stats import TransportStats  # type: ignore[import-not-found,unused-ignore]
 from ._demo_link import Frame
 
 log = logging.getLogger("kvlease.demo")
@@ -146,10 +146,12 @@ class PinnerNode(Node):
         self.free_blocks = list(range(int(spec["pool_blocks"])))
         self.owned: dict[str, list[int]] = {}
         self.granted = False
-        self.linger_until: float | None = None
+        self.accessor_left = False
+        self.last_heard = float("-inf")
 
     def on_frame(self, now: LocalTime, frame: Frame) -> None:
         kind, payload = frame
+        self.last_heard = now
         if kind == "msg":
             try:
                 msg = decode(payload)
@@ -166,6 +168,8 @@ class PinnerNode(Node):
         elif kind == "ctl" and payload.get("hello") and not self.granted:
             self.granted = True
             self.grant_all(now)
+        elif kind == "ctl" and payload.get("bye"):
+            self.accessor_left = True
         elif kind == "read":
             self.link.serve_read(payload["key"], payload["blocks"])
 
@@ -173,7 +177,7 @@ class PinnerNode(Node):
         fixed = self.spec["scenario"] == "bidirectional"
         for i in range(int(self.spec["requests"])):
             key = f"req-{i}"
-            blocks = [self.free_blocks.pop() for _ in range(self.blocks_per)]
+            blocks = sorted(self.free_blocks.pop() for _ in range(self.blocks_per))
             seed = random.getrandbits(16)
             for b in blocks:  # the prefill writes this request's KV
                 self.link.pool_write(b, block_pattern(seed, b, self.block_size))
@@ -199,7 +203,9 @@ class PinnerNode(Node):
                     if isinstance(out.message, HeartbeatAck):
                         m = out.message
                         self.count("leases_renewed", m.renewed)
-                        self.count("heartbeats_rejected", len(m.unknown) + len(m.expired) + len(m.released) + len(m.completed))
+                        self.count(
+                            "heartbeats_rejected", len(m.unknown) + len(m.expired) + len(m.released) + len(m.completed)
+                        )
                     self.link.send_msg(data)
                 case Free():
                     blocks = self.owned.pop(out.key)
@@ -223,10 +229,11 @@ class PinnerNode(Node):
     def step(self, now: LocalTime) -> float | None:
         self.dispatch(self.pinner.handle_timeout(now))
         if self.granted and not self.owned:
-            # Every lease ended: linger briefly to answer late messages, then leave.
-            if self.linger_until is None:
-                self.linger_until = now + 0.2
-            elif now >= self.linger_until:
+            # Every lease ended. Keep serving until the accessor says it is done (its late
+            # reads still hit the reused blocks, as RDMA would), or, in the crash scenario,
+            # once it has been silent for a while.
+            quiet = now - self.last_heard > 2 * self.config.heartbeat_interval + 1.0
+            if self.accessor_left or (quiet and self.spec["scenario"] == "crash"):
                 self.done = True
         nd = self.pinner.next_deadline()
         return None if nd is None else nd
@@ -289,7 +296,13 @@ class AccessorNode(Node):
             key = payload["key"]
             ticket = LeaseTicket.from_dict(payload["ticket"])
             i = len(self.requests)
-            self.requests[key] = {"blocks": payload["blocks"], "seed": payload["seed"], "read_at": now + self.read_delay(i), "state": "waiting", "ticket": ticket}
+            self.requests[key] = {
+                "blocks": payload["blocks"],
+                "seed": payload["seed"],
+                "read_at": now + self.read_delay(i),
+                "state": "waiting",
+                "ticket": ticket,
+            }
             if self.t0 is None:
                 self.t0 = now
             self.report("track", key=key, lease_id=ticket.lease_id)
@@ -336,15 +349,23 @@ class AccessorNode(Node):
                     log.debug("access completed key=%s confirmed=%s", out.key, out.confirmed_by_pinner)
                     req["state"] = "resolved"
                     self.count("accesses_completed")
-                    self.report("read", key=out.key, verdict="valid", content_ok=ok,
-                                started=self.read_starts.get(out.key), confirmed=out.confirmed_by_pinner)
+                    self.report(
+                        "read",
+                        key=out.key,
+                        verdict="valid",
+                        content_ok=ok,
+                        started=self.read_starts.get(out.key),
+                        confirmed=out.confirmed_by_pinner,
+                    )
                     self.resolve(out.key)
                 case AccessStale():
                     req = self.requests[out.key]
                     self.count("stale_reads_caught")
                     log.warning("stale access caught key=%s: %s", out.key, out.reason)
                     req["state"] = "resolved"
-                    self.report("read", key=out.key, verdict="stale", content_ok=bool(req.get("content_ok")), reason=out.reason)
+                    self.report(
+                        "read", key=out.key, verdict="stale", content_ok=bool(req.get("content_ok")), reason=out.reason
+                    )
                     self.resolve(out.key)
                 case LeaseLost():
                     req = self.requests[out.key]
@@ -424,8 +445,11 @@ class AccessorNode(Node):
 def main(argv: list[str]) -> int:
     role, spec = argv[0], json.loads(argv[1])
     _die_with_parent()
-    logging.basicConfig(level=spec.get("log_level", "WARNING"), stream=sys.stderr,
-                        format=f"%(asctime)s {role[0].upper()} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.get("log_level", "WARNING"),
+        stream=sys.stderr,
+        format=f"%(asctime)s {role[0].upper()} %(levelname)s %(name)s: %(message)s",
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     report = Reporter()
     link: Any
@@ -436,16 +460,22 @@ def main(argv: list[str]) -> int:
 
         make_link = ZmqLink
     else:
-        from ._demo_nixl import NixlLink
+        from ._demo_nixl import NixlLink  # noqa: PLC0415 - only with the nixl extra
 
         make_link = NixlLink
+    link_args = {
+        "block_size": spec["block_size"],
+        "blocks": spec["pool_blocks"],
+        "blocks_per_request": spec["blocks_per_request"],
+        "epoch": spec["epoch"],
+    }
     try:
         if role == "pinner":
-            link = make_link(bind=True, block_size=spec["block_size"], blocks=spec["pool_blocks"])
+            link = make_link(bind=True, **link_args)
             report("ready", endpoint=link.endpoint, pid=os.getpid())
             node: Node = PinnerNode(spec, report, link)
         else:
-            link = make_link(bind=False, endpoint=spec["endpoint"], block_size=spec["block_size"], blocks=spec["pool_blocks"])
+            link = make_link(bind=False, endpoint=spec["endpoint"], **link_args)
             report("ready", pid=os.getpid())
             node = AccessorNode(spec, report, link)
             link.send_ctl({"hello": True})
