@@ -30,8 +30,13 @@ from kvlease import (
     encode,
 )
 
-from ..transports._base import HandshakeFailed, HandshakeRequest, HandshakeResponse, PeerUnreachable
-from ..transports.nixl import NixlTransport
+from ..transports._base import (  # type: ignore[import-not-found,unused-ignore]
+    HandshakeFailed,
+    HandshakeRequest,
+    HandshakeResponse,
+    PeerUnreachable,
+)
+from ..transports.nixl import NixlTransport  # type: ignore[import-not-found,unused-ignore]
 from ._demo_link import Frame
 
 __all__ = ["NixlLink"]

@@ -460,7 +460,7 @@ def main(argv: list[str]) -> int:
 
         make_link = ZmqLink
     else:
-        from ._demo_nixl import NixlLink  # noqa: PLC0415 - only with the nixl extra
+        from ._demo_nixl import NixlLink
 
         make_link = NixlLink
     link_args = {
