@@ -10,6 +10,7 @@ extension 2 s).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,6 +41,9 @@ HERE = os.path.abspath(__file__)
 def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import torch
+    from kvlease.transports._base import PeerDead, PeerSuspect, TransferFailed
+    from kvlease.transports._driver import Driver
+    from kvlease.transports.nixl import NixlTransport
 
     from kvlease import (
         AccessCompleted,
@@ -52,9 +56,6 @@ def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
         Pinner,
         Rejected,
     )
-    from kvlease.transports._base import PeerDead, PeerSuspect, TransferFailed
-    from kvlease.transports._driver import Driver
-    from kvlease.transports.nixl import NixlTransport
 
     config = LeaseConfig(kv_lease_duration=LEASE, max_access_time=ACCESS_TIME)
     engine_id = f"{role}-engine"
@@ -181,7 +182,9 @@ class Peer:
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
 
-    def wait(self, ev: str, timeout: float = 10.0, match: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+    def wait(
+        self, ev: str, timeout: float = 10.0, match: Callable[[dict[str, Any]], bool] | None = None
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             for e in self.log:
@@ -191,10 +194,8 @@ class Peer:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AssertionError(f"{self.role}: no {ev!r} within {timeout} s; saw {self.log[-12:]}")
-            try:
+            with contextlib.suppress(queue.Empty):
                 self.log.append(self.events.get(timeout=left))
-            except queue.Empty:
-                pass
 
     def drain(self) -> None:
         while True:
@@ -302,6 +303,8 @@ def test_accessor_crash_frees_within_bound(pair: tuple[Peer, Peer]) -> None:
     pinner, accessor = pair
     _lease(pinner, accessor, "c-pull", "r-c-pull", 4096, seed=6)
     _lease(pinner, accessor, "c-push", "r-c-push", 4096, seed=7, push=True)
+    # Past the initial grant (duration > extension), so expiry is set by heartbeats alone.
+    time.sleep(LEASE - LEASE * 2 / 3 + 0.2)
     pinner.wait("hb", timeout=5)
     killed = accessor.kill(signal.SIGKILL)
     accessor.proc.wait(timeout=10)
