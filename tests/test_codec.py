@@ -55,7 +55,7 @@ MESSAGES: st.SearchStrategy[Message] = st.one_of(
     ),
     st.builds(AccessDone, ENGINES, SMALL, U64, U64, st.integers(1, 2**16), st.booleans(), TIMES.map(LocalTime)),
     st.builds(AccessDoneAck, ENGINES, SMALL, U64, U64, st.sampled_from(AccessOutcome)),
-    st.builds(Release, ENGINES, SMALL, U64, IDS),
+    st.builds(Release, ENGINES, SMALL, U64, IDS, st.integers(1, 2**16)),
 )
 
 
