@@ -226,7 +226,11 @@ def _run_scenario(
                 log.warning("demo: SIGKILLed the accessor (pid %d) mid-flight", accessor.proc.pid)
             view.update(run)
         for child in children:
-            child.proc.wait(timeout=5.0) if not run.timed_out else None
+            if not run.timed_out:
+                try:
+                    child.proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    run.errors.append(f"the {child.role} process did not exit after its scenario")
             rc = child.proc.returncode
             if rc not in (0, None) and not (child.role == "accessor" and run.kill_time is not None):
                 run.errors.append(f"the {child.role} process exited with status {rc}")
