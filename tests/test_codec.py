@@ -188,7 +188,10 @@ def test_decode_structured_mutations(msg: Message, data: st.DataObject) -> None:
         lists = [i for i, v in enumerate(items) if isinstance(v, list)]
         if lists:
             i = data.draw(st.sampled_from(lists))
-            items[i] = [*items[i], 0] if op == "zero_gap" else [-1, *items[i]]
+            if op == "zero_gap":  # a gap of 0 repeats an id: never valid after the first
+                items[i] = [*items[i], 0] if items[i] else [1, 0]
+            else:
+                items[i] = [-1, *items[i]]
             assert _decode_only_decode_error(MAGIC + msgpack.packb(items)) is None
             return
         items[data.draw(st.integers(2, len(items) - 1))] = -1
