@@ -32,7 +32,22 @@ __all__ = ["RTT_BUCKETS", "LeaseStatsCollector", "start_http_server"]
 #: Heartbeat round-trip buckets, seconds: loopback NIXL is ~50 us, a loaded TCP hop ~10 ms,
 #: and a round trip anywhere near the heartbeat interval (seconds) is a problem worth seeing.
 RTT_BUCKETS: tuple[float, ...] = (
-    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0, 2.5,
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
 )
 
 #: (metric name without prefix/suffix, stats field, help). Counters get ``_total``.
