@@ -460,14 +460,14 @@ class Pair:
                 raise InvariantViolation(
                     f"lease {rec.lease_id} freed at {at}, {at - earliest:.6g} s after its bound {earliest}"
                 )
-        for begin, end in rec.accesses:
-            if rec.push and end is None and begin <= self.real and not rec.released_by_pinner:
+        for _begin, end in rec.accesses:
+            if rec.push and end is None:
                 # A write in flight when its memory is freed. (Checked at its end too.)
                 raise InvariantViolation(f"push lease {rec.lease_id} freed with a write in flight")
 
     def _check_push_write(self, rec: LeaseRecord, begin: float, end: float) -> None:
         free = rec.free_real
-        if rec.push and free is not None and free < end and not rec.released_by_pinner:
+        if rec.push and free is not None and free < end:
             raise InvariantViolation(
                 f"push write into lease {rec.lease_id} ran [{begin}, {end}] past its free at {free}"
             )
@@ -527,12 +527,10 @@ class Pair:
             info = pinner.info(lid)
             if info is not None:
                 limit = self.pinner_clock.real(rec.last_expiry_p)
-            elif rec.frees and rec.frees[0][1].reason is EndReason.EXPIRED:
+            elif rec.frees and rec.frees[0][1].reason is not EndReason.ACCESS_DONE:
                 limit = rec.frees[0][0]
             else:
-                continue  # ended by the accessor's own doing (access done, release)
-            if rec.released_by_pinner:
-                continue
+                continue  # ended by the accessor's own access-done
             if v_real > limit + TIME_TOLERANCE:
                 raise InvariantViolation(
                     f"accessor counts lease {lid} valid until real {v_real}, beyond the pinner's "

@@ -173,6 +173,15 @@ class LeaseMachine(RuleBasedStateMachine):
         if keys:
             self.pair.untrack(keys[i % len(keys)])
 
+    @rule(i=st.integers(0, 1000))
+    def pinner_release(self, i: int) -> None:
+        """The pinner's own engine aborts a request, maybe while the accessor reads it."""
+        live = sorted(self.pair.pinner.live_ids())
+        if live:
+            rec = self.pair.leases[live[i % len(live)]]
+            self.clean.discard(rec.key)
+            self.pair.pinner_release(rec.key)
+
     @precondition(lambda self: self.pair.accessor_alive)
     @rule()
     def kill_accessor(self) -> None:
