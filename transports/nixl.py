@@ -768,6 +768,8 @@ class NixlTransport:
                 x.handle.release()  # aborts it where the backend can
 
     def poll_transfers(self) -> list[TransferResult]:
+        # Check NIXL here too, so a completion is seen in the same step, not the next one.
+        self._check_transfers()
         out = self._results
         self._results = []
         return out
