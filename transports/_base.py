@@ -26,7 +26,9 @@ The contract, in the driver's words:
   The reply surfaces on the accessor side as `HandshakeResponse` (after the transport has
   consumed the pinner's metadata, so sends to every worker of that engine work) or
   `HandshakeFailed`. A transport may also let a handshake arrive through `receive()`; the
-  driver handles both.
+  driver handles both. Each step the driver calls `receive()` *first*, then
+  `poll_handshakes()` and `poll_transfers()`, so a transport may fill those queues while it
+  drains in `receive()`.
 - **Data plane.** The pinner side `register(region, buffer)`s memory (a writable object with
   the buffer protocol — bytearray, numpy array — or a contiguous CPU torch tensor; CUDA tensors
   where the transport supports them). Registration outlives leases: like RDMA-registered KV

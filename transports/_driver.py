@@ -314,10 +314,11 @@ class Driver:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[DriverEvent]:
-        """One non-blocking round: side channel, inbound, transfers, timers, liveness,
-        progress. Returns the events for the engine (also passed to ``on_event``)."""
+        """One non-blocking round: receive, side channel, inbound, transfers, timers,
+        liveness, progress. Returns the events for the engine (also passed to ``on_event``)."""
         now = self.now()
         tr = self.transport
+        inbound_frames = tr.receive()  # first: a transport may fill the other queues here
         for hev in tr.poll_handshakes():
             match hev:
                 case HandshakeRequest():
@@ -329,7 +330,7 @@ class Driver:
                     self._suspect(now, hev.engine_id, 0, f"handshake failed: {hev.reason}")
                 case _:
                     assert_never(hev)
-        for inbound in tr.receive():
+        for inbound in inbound_frames:
             self._on_inbound(now, inbound)
         self._poll_transfers(now)
         if self.pinner is not None:

@@ -256,6 +256,9 @@ class ZmqTransport:
             self._drain_dealer(d)
 
     def _drain_router(self) -> None:
+        # Checking EVENTS first is far cheaper than a recv that raises zmq.Again.
+        if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
         for _ in range(_MAX_DRAIN):
             try:
                 frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=True)
@@ -312,6 +315,11 @@ class ZmqTransport:
             self._inbound.append(Inbound(engine_id, rank, notif))  # after the data landed
 
     def _drain_dealer(self, d: _Dealer) -> None:
+        try:
+            if not d.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+        except zmq.ZMQError:
+            return  # closed under us by forget_peer
         for _ in range(_MAX_DRAIN):
             try:
                 frames = d.sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
@@ -377,7 +385,7 @@ class ZmqTransport:
         self._handshakes.append(HandshakeResponse(engine_id, reply))
 
     def poll_handshakes(self) -> list[HandshakeEvent]:
-        self._drain()
+        # Filled by the drain in `receive`/`progress` (the driver calls receive first).
         out, self._handshakes = self._handshakes, []
         return out
 
@@ -448,7 +456,6 @@ class ZmqTransport:
             self._done.append(TransferResult(h, True))
 
     def poll_transfers(self) -> list[TransferResult]:
-        self._drain()
         out, self._done = self._done, []
         return out
 
