@@ -29,7 +29,14 @@ def run_demo(*args: str, timeout: float = 400) -> dict[str, Any]:
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    if proc.returncode != 0:
+        try:
+            broken = [
+                (s["scenario"], c) for s in json.loads(proc.stdout)["scenarios"] for c in s["claims"] if not c["ok"]
+            ]
+        except (ValueError, KeyError):
+            broken = []
+        raise AssertionError(f"demo failed ({proc.returncode}): broken claims {broken}\n{proc.stderr[-4000:]}")
     out: dict[str, Any] = json.loads(proc.stdout)
     return out
 
