@@ -108,7 +108,7 @@ class _Outstanding:
 
 class _Engine:
     __slots__ = (
-        "clock", "connected", "deadlines", "engine_id", "handshake_due", "incarnation", "leases",
+        "clock", "connected", "deadlines", "engine_id", "handshake_due", "incarnation", "leases", "max_message_bytes",
         "new_ids", "next_heartbeat", "outstanding", "ranks", "seq",
     )
 
@@ -125,6 +125,7 @@ class _Engine:
         self.next_heartbeat = float("inf")
         self.handshake_due = float("-inf")
         self.outstanding: OrderedDict[int, _Outstanding] = OrderedDict()
+        self.max_message_bytes = config.max_message_bytes  # lowered to the pinner's at handshake
         self.clock = ClockOffsetEstimator(config.max_drift_rate, config.clock_sample_window)
 
 
@@ -266,8 +267,9 @@ class Accessor:
         eng = t.engine
         if t.state is TrackedState.LOST:
             return ()
-        msg = Release(self.engine_id, self.rank, t.incarnation, (t.lease_id,))
-        return (Send(eng.engine_id, None, msg),)
+        expected, targets = self._pinner_targets(eng)
+        msg = Release(self.engine_id, self.rank, t.incarnation, (t.lease_id,), expected)
+        return tuple(Send(eng.engine_id, r, msg) for r in targets)
 
     def begin_access(self, now: LocalTime, key: str) -> AccessDecision:
         """Ask before starting the READ (pull) or WRITE (push) of `key`'s memory.
@@ -382,6 +384,8 @@ class Accessor:
             eng.clock = ClockOffsetEstimator(self.config.max_drift_rate, self.config.clock_sample_window)
         eng.incarnation = reply.incarnation
         eng.ranks = reply.ranks
+        # Honour the pinner's bound too (some NIXL backends cap notifications near 256 B).
+        eng.max_message_bytes = min(self.config.max_message_bytes, max(reply.max_message_bytes, 128))
         eng.connected = True
         if reply.rank == 0:
             eng.clock.add_sample(ClockSample(LocalTime(reply.t_echo), reply.t_recv, reply.t_send, now))
@@ -482,7 +486,7 @@ class Accessor:
 
     def _send_heartbeats(self, now: float, eng: _Engine, ids: list[int], out: list[AccessorOutput]) -> None:
         assert eng.incarnation is not None
-        budget = self.config.max_message_bytes - message_overhead(self.engine_id)
+        budget = eng.max_message_bytes - message_overhead(self.engine_id)
         # Forget rounds that can no longer extend anything, and bound the rest.
         horizon = now - self.config.accessor_extension
         while eng.outstanding and (

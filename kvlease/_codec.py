@@ -64,7 +64,7 @@ _ARITY: Final = {
     _T_HEARTBEAT_ACK: 11,
     _T_ACCESS_DONE: 7,
     _T_ACCESS_DONE_ACK: 5,
-    _T_RELEASE: 4,
+    _T_RELEASE: 5,
 }
 
 
@@ -215,6 +215,7 @@ def encode(msg: Message) -> bytes:
             body = [
                 _T_RELEASE, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
                 _check_uint("incarnation", msg.incarnation), _pack_ids(msg.lease_ids),
+                _check_uint("expected", msg.expected),
             ]
         case _:
             raise EncodeError(f"not a kvlease message: {msg!r}")
@@ -359,4 +360,6 @@ def _decode_fields(mtype: int, items: list[Any]) -> Message:
         outcome = f.uint("outcome", hi=max(AccessOutcome))
         return AccessDoneAck(engine, rank, inc, lid, AccessOutcome(outcome))
     f = _Fields(items, "Release")
-    return Release(f.engine(), f.uint("rank"), f.uint("incarnation"), f.ids("lease_ids"))
+    return Release(
+        f.engine(), f.uint("rank"), f.uint("incarnation"), f.ids("lease_ids"), f.uint("expected", lo=1, hi=1 << 16)
+    )

@@ -151,12 +151,14 @@ class AccessDoneAck:
 
 @attrs.frozen
 class Release:
-    """Accessor → pinner: these leases will never be accessed (request aborted); free now."""
+    """Accessor rank → pinner: this rank will never access these leases (request aborted).
+    The pinner frees once every expected accessor rank has reported done or released."""
 
     engine_id: str
     rank: int
     incarnation: int
     lease_ids: tuple[int, ...]  # strictly increasing
+    expected: int = 1  # accessor ranks that must finish or release before the pinner frees
 
 
 Message = Handshake | HandshakeReply | Heartbeat | HeartbeatAck | AccessDone | AccessDoneAck | Release

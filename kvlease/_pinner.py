@@ -54,6 +54,10 @@ _COMPAT_RANK_BASE = _MAX_RANK  # pseudo-ranks for vLLM's rank-less `id:count` no
 
 class LeaseState(enum.Enum):
     ACTIVE = "active"
+    #: Released by the local engine after the pinner had promised validity (acknowledged a
+    #: heartbeat, or handed out a fixed-TTL deadline): no longer renewed, held until its
+    #: current expiry so no access inside an accessor's validity window overlaps the free.
+    RELEASING = "releasing"
     #: Push mode: expired, but a write that started in time may still be landing; the memory
     #: is kept for the access-time bound before it is freed.
     QUARANTINED = "quarantined"
@@ -62,6 +66,7 @@ class LeaseState(enum.Enum):
 
 # Enum member lookups cost a descriptor call each; the hot paths use these module constants.
 _ACTIVE = LeaseState.ACTIVE
+_RELEASING = LeaseState.RELEASING
 _RENEWABLE = LeaseKind.RENEWABLE
 _FIXED_TTL = LeaseKind.FIXED_TTL
 _INF = float("inf")
@@ -70,7 +75,7 @@ _INF = float("inf")
 class _Lease:
     """One live lease. Plain slots class: it exists a million times over."""
 
-    __slots__ = ("done", "expected", "expiry", "key", "kind", "lease_id", "push", "state")
+    __slots__ = ("done", "expected", "expiry", "key", "kind", "lease_id", "promised", "push", "released", "state")
 
     def __init__(
         self, lease_id: int, key: str, kind: LeaseKind, expiry: float, expected: int, push: bool
@@ -82,7 +87,11 @@ class _Lease:
         self.expected = expected  # 0: taken from the first access-done
         self.push = push
         self.state = _ACTIVE
-        self.done: frozenset[int] | None = None
+        self.done: frozenset[int] | None = None  # accessor ranks that reported done or release
+        # An accessor may hold a validity window for it: set by an acknowledged heartbeat, and
+        # from the start for fixed-TTL leases (the ticket carries the deadline).
+        self.promised = kind is _FIXED_TTL
+        self.released = False  # ends as RELEASED rather than EXPIRED
 
 
 @attrs.frozen
@@ -176,12 +185,12 @@ class Pinner:
                 continue  # ended earlier; its entry was left behind
             if lease.expiry > now:
                 heapq.heappush(heap, (lease.expiry, lease_id))  # renewed since it was pushed
-            elif lease.push and lease.state is LeaseState.ACTIVE:
+            elif lease.push and lease.state is not LeaseState.QUARANTINED:
                 lease.state = LeaseState.QUARANTINED
                 lease.expiry += self.config.push_guard
                 heapq.heappush(heap, (lease.expiry, lease_id))
             else:
-                out.append(self._end(lease, EndReason.EXPIRED, now))
+                out.append(self._end(lease, EndReason.RELEASED if lease.released else EndReason.EXPIRED, now))
         if len(heap) > 2 * len(self._leases) + 64:
             self._heap = [(lease.expiry, lid) for lid, lease in self._leases.items()]
             heapq.heapify(self._heap)
@@ -244,17 +253,29 @@ class Pinner:
         )
 
     def release(self, now: LocalTime, lease_id: int) -> tuple[PinnerOutput, ...]:
-        """The local engine aborts the request: free at once. Releasing a lease that already
-        ended is a harmless race (no output); releasing an id never granted is misuse."""
+        """The local engine aborts the request.
+
+        Frees at once if no accessor can hold a validity window for the lease (no heartbeat
+        was ever acknowledged). Otherwise the lease stops being renewed — heartbeats are
+        answered with "released", so the accessor learns within one round trip — and is
+        freed at its current expiry (plus the push guard for push leases): freeing earlier
+        could pull memory from under an access the accessor was entitled to start.
+        Releasing a lease that already ended is a harmless race (no output); releasing an id
+        never granted is misuse.
+        """
         self._advance(now)
         lease = self._leases.get(lease_id)
         if lease is None:
             if lease_id >= self._next_id or lease_id < 1:
                 raise LocalProtocolError(f"lease id {lease_id} was never granted by this pinner")
             return ()
-        if lease.state is LeaseState.QUARANTINED:
-            return ()  # a write may still land; the guard frees it
-        return (self._end(lease, EndReason.RELEASED, now),)
+        if lease.state is not _ACTIVE:
+            return ()  # already releasing, or a push write may still land: expiry frees it
+        if not lease.promised:
+            return (self._end(lease, EndReason.RELEASED, now),)
+        lease.state = _RELEASING
+        lease.released = True
+        return ()
 
     def info(self, lease_id: int) -> LeaseInfo | None:
         lease = self._leases.get(lease_id)
@@ -337,9 +358,14 @@ class Pinner:
                 if lease is not None and lease.state is _ACTIVE:
                     if lease.kind is _RENEWABLE and new_expiry > lease.expiry:
                         lease.expiry = new_expiry
+                    lease.promised = True
                     renewed += 1
                     continue
-                reason = EndReason.EXPIRED if lease is not None else tombstones.get(lease_id)
+                reason: EndReason | None
+                if lease is not None:  # releasing or quarantined: held, but no longer renewed
+                    reason = EndReason.RELEASED if lease.released else EndReason.EXPIRED
+                else:
+                    reason = tombstones.get(lease_id)
                 if reason is EndReason.EXPIRED:
                     expired.append(lease_id)
                 elif reason is EndReason.RELEASED:
@@ -390,9 +416,10 @@ class Pinner:
                 return AccessOutcome.OK  # a duplicate of an access counted while live
             self.counters.late_access_done += 1
             return AccessOutcome.STALE if reason is not None else AccessOutcome.UNKNOWN
-        if lease.state is not LeaseState.ACTIVE:
+        if lease.state is LeaseState.QUARANTINED:
             self.counters.late_access_done += 1
             return AccessOutcome.STALE
+        # ACTIVE or RELEASING: the memory is still pinned, so the access saw valid data.
         if not 0 <= rank < _MAX_RANK + _MAX_RANK or not 1 <= expected <= _MAX_RANK:
             self.counters.rejected += 1
             out.append(Rejected(sender, f"access-done rank {rank} / expected {expected} out of range"))
@@ -406,16 +433,33 @@ class Pinner:
         done = (lease.done or frozenset()) | {rank}
         lease.done = done
         if len(done) >= expected:
-            out.append(self._end(lease, EndReason.ACCESS_DONE, now))
+            out.append(self._end(lease, EndReason.RELEASED if lease.released else EndReason.ACCESS_DONE, now))
         return AccessOutcome.OK
 
     def _on_release(self, now: LocalTime, msg: Release) -> tuple[PinnerOutput, ...]:
         if msg.incarnation != self.incarnation:
             return ()
         out: list[PinnerOutput] = []
+        if not 1 <= msg.expected <= _MAX_RANK:
+            self.counters.rejected += 1
+            return (Rejected(msg.engine_id, f"release expects {msg.expected} ranks, out of range"),)
         for lease_id in msg.lease_ids:
             lease = self._leases.get(lease_id)
-            if lease is not None and lease.state is LeaseState.ACTIVE:
+            if lease is None or lease.state is LeaseState.QUARANTINED:
+                continue
+            # A release counts like an access-done of that rank without data: the lease ends
+            # only when every expected accessor rank has finished or released, so one rank's
+            # abort never frees memory another rank may be reading under its validity.
+            if lease.expected and msg.expected != lease.expected:
+                self.counters.rejected += 1
+                why = f"release for lease {lease_id} expects {msg.expected} ranks, granted with {lease.expected}"
+                out.append(Rejected(msg.engine_id, why))
+                continue
+            lease.expected = msg.expected
+            lease.released = True
+            done = (lease.done or frozenset()) | {msg.rank}
+            lease.done = done
+            if len(done) >= msg.expected:
                 out.append(self._end(lease, EndReason.RELEASED, now))
         return tuple(out)
 
