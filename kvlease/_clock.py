@@ -90,9 +90,12 @@ class ClockOffsetEstimator:
     def estimate(self, now: LocalTime) -> OffsetEstimate | None:
         """The tightest bound over the window at `now`, or None before any sample."""
         best: OffsetEstimate | None = None
+        rho = self.max_drift_rate
+        # Drift since the sample: per second of *our* clock the offset moves by up to
+        # (rate_peer - rate_ours) / rate_ours <= 2 rho / (1 - rho) (peer fast, we slow).
+        growth = 2.0 * rho / (1.0 - rho)
         for s in self._samples:
-            # Drift: the rate of the two clocks may differ by up to 2 rho, since the sample.
-            err = max(s.delay, 0.0) / 2.0 + 2.0 * self.max_drift_rate * max(now - s.t1, 0.0)
+            err = max(s.delay, 0.0) / 2.0 + growth * max(now - s.t1, 0.0)
             if best is None or err < best.error:
                 best = OffsetEstimate(offset=s.offset, error=err, at=now)
         return best
@@ -109,7 +112,9 @@ class ClockOffsetEstimator:
             return None
         peer_now_latest = now + est.offset + est.error
         remaining_peer = peer_now_deadline - peer_now_latest
-        if remaining_peer <= 0.0:
-            return LocalTime(now + remaining_peer)
         rho = self.max_drift_rate
+        if remaining_peer <= 0.0:
+            # Already past: it happened at least this long ago in our clock (we may run fast
+            # and the peer slow), so stretch the interval rather than shrink it.
+            return LocalTime(now + remaining_peer * (1.0 + rho) / (1.0 - rho))
         return LocalTime(now + remaining_peer * (1.0 - rho) / (1.0 + rho))
