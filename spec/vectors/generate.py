@@ -491,7 +491,8 @@ def release() -> Recorder:
                  "Release; the pinner frees at once. req-2: the prefill engine aborts locally "
                  "before any heartbeat for it was acknowledged (so no accessor can hold validity "
                  "and it may free at once); the decoder tracks it later and the first heartbeat's "
-                 "ack tells it the lease was released. Duplicate releases do nothing.",
+                 "ack tells it the lease was released. Duplicate releases do nothing. req-3: the "
+                 "prefill engine aborts after an acknowledged heartbeat: held until expiry.",
                  BASE, {"P": pinner("prefill-0", 0x5EED000B), "D": accessor("decode-0")},
                  {"P": 1000.0, "D": 2000.0})
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
@@ -500,7 +501,7 @@ def release() -> Recorder:
     connect(r, "D", "P", hs, 0.25)
     heartbeat_round(r, "D", ["P"], 0.375)
     rel = only(r.at(1.0).step("D", "untrack", key="req-1"), "Send")
-    assert rel["rank"] is None and rel["message"]["type"] == "Release"
+    assert rel["rank"] == 0 and rel["message"]["type"] == "Release"
     free = only(r.at(1.125).deliver("P", rel), "Free")
     assert free["reason"] == "released" and free["key"] == "req-1"
     assert r.at(1.25).deliver("P", rel, "duplicate Release")["outputs"] == []
@@ -512,6 +513,20 @@ def release() -> Recorder:
     lost = only(acks[0], "LeaseLost")
     assert lost["key"] == "req-2" and lost["reason"] == "released"
     assert r.at(2.0).step("D", "untrack", key="req-2", note="already lost: no-op")["outputs"] == []
+    # req-3: the prefill engine aborts *after* a heartbeat was acknowledged. The decoder may hold
+    # a validity window, so the pinner must not free at once: it stops renewing, answers the
+    # next heartbeat with "released", and frees at the current expiry.
+    t3 = r.at(2.0).step("P", "grant", key="req-3")["result"]
+    assert r.at(2.0).step("D", "track", key="req-3", ticket=t3)["outputs"] == []
+    heartbeat_round(r, "D", ["P"], 2.125)
+    assert r.at(3.0).step("P", "release", lease_id=3, note="held: an acked heartbeat promised validity")[
+        "outputs"] == []
+    acks = heartbeat_round(r, "D", ["P"], 3.5)
+    lost = only(acks[0], "LeaseLost")
+    assert lost["key"] == "req-3" and lost["reason"] == "released"
+    assert r.at(7.875).step("P", "handle_timeout", note="not before the expiry (grant + 6 s)")["outputs"] == []
+    free3 = only(r.at(8.0).step("P", "handle_timeout"), "Free")
+    assert free3["key"] == "req-3" and free3["reason"] == "released"
     return r
 
 
