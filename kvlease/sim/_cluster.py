@@ -290,7 +290,16 @@ class _PEngine(_Engine):
 
 class _DEngine(_Engine):
     __slots__ = (
-        "accessors", "hb_due", "replies", "reqs", "running", "slots", "stall", "transfers", "waiting",
+        "accessors",
+        "flush",
+        "hb_due",
+        "replies",
+        "reqs",
+        "running",
+        "slots",
+        "stall_until",
+        "transfers",
+        "waiting",
     )
 
     def __init__(self, name: str, tp: int, slots: int, clock: _Clock) -> None:
@@ -302,7 +311,8 @@ class _DEngine(_Engine):
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
         self.transfers: list[_Req] = []
-        self.stall = 0.0
+        self.stall_until = 0.0  # the next forward pass lasts at least until then
+        self.flush = False  # the stalled forward pass finishes the whole running batch
         self.hb_due = _INF  # vLLM-style heartbeats
 
 
@@ -496,8 +506,33 @@ class Cluster:
         else:
             eng = self.engines[f.engine]
             if isinstance(eng, _DEngine) and eng.alive:
-                eng.stall += f.duration
-                self._poke(eng, self.now)
+                until = self.now + f.duration
+                if f.kind is FaultKind.EDGE_STALL:
+                    until = self._edge(eng, f.duration)
+                    eng.flush = True
+                if eng.stepping:
+                    # The forward pass in progress is the one that stalls.
+                    if until > eng.step_end:
+                        eng.step_end = until
+                        self._at(until, self._step_done, (eng, eng.gen, until))
+                else:
+                    eng.stall_until = max(eng.stall_until, until)
+                    self._poke(eng, self.now)
+
+    def _edge(self, de: _DEngine, u: float) -> float:
+        """An adversarial stall: end the forward pass just around the earliest validity end
+        of a waiting request, so the next access starts where validity, expiry and the
+        access's end meet (where a wrong drift or extension bound shows)."""
+        if not de.accessors:
+            return self.now
+        best = _INF
+        for req in de.waiting:
+            v = de.accessors[0].valid_until(req.key)
+            if v is not None:
+                best = min(best, de.clock.real(v))
+        if best == _INF:
+            return self.now + abs(u) * self.cfg.lease_extension
+        return best - u * self.cfg.kv_lease_duration / 50.0
 
     def _heal(self, pair: tuple[str, str]) -> None:
         self._trace(pair[0], "heal", pair[1])
@@ -548,7 +583,7 @@ class Cluster:
         de.waiting = []
         de.running = []
         de.transfers = []
-        de.stall = 0.0
+        de.stall_until = 0.0
         de.hb_due = _INF
 
     def _crash_p(self, pe: _PEngine) -> None:
@@ -644,10 +679,10 @@ class Cluster:
             assert isinstance(eng, _DEngine)
             self._d_boundary(eng, stepped=False)
 
-    def _step_done(self, arg: tuple[_Engine, int]) -> None:
-        eng, gen = arg
-        if gen != eng.gen or not eng.alive:
-            return
+    def _step_done(self, arg: tuple[_Engine, int, float]) -> None:
+        eng, gen, end = arg
+        if gen != eng.gen or not eng.alive or end != eng.step_end:
+            return  # the engine died, or a stall made this forward pass longer
         eng.stepping = False
         if isinstance(eng, _PEngine):
             req = eng.current
@@ -663,7 +698,7 @@ class Cluster:
         eng.stepping = True
         eng.wake_at = _INF
         eng.step_end = self.now + duration
-        self._at(eng.step_end, self._step_done, (eng, eng.gen))
+        self._at(eng.step_end, self._step_done, (eng, eng.gen, eng.step_end))
 
     # -- prefill engine (pinner side) ---------------------------------------------------------------
 
@@ -864,6 +899,10 @@ class Cluster:
         if self.policy is Policy.VLLM_HB and de.hb_due <= t:
             self._vllm_heartbeat(de)
         if stepped and de.running:
+            if de.flush:
+                for req in de.running:
+                    req.tokens_left = 1
+                de.flush = False
             keep = []
             for req in de.running:
                 req.tokens_left -= 1
@@ -873,12 +912,13 @@ class Cluster:
                     keep.append(req)
             de.running = keep
         self._schedule(de, now)
-        if de.running or de.stall > 0:
+        if de.running or de.stall_until > t:
             wl = self.sc.workload
-            duration = wl.step_base + wl.step_per_seq * len(de.running) + de.stall
-            if de.stall:
-                self._trace(de.name, "stall", f"{de.stall}")
-            de.stall = 0.0
+            duration = wl.step_base + wl.step_per_seq * len(de.running)
+            if de.stall_until > t:
+                duration = max(duration, de.stall_until - t)
+                self._trace(de.name, "stall", f"until {de.stall_until:.9f}")
+            de.stall_until = 0.0
             self._start_step(de, duration)
             return
         nd = _INF

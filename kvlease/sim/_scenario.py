@@ -58,7 +58,10 @@ class Policy(enum.Enum):
 class FaultKind(enum.Enum):
     CRASH = "crash"  # the engine dies at `at`, restarts (new incarnation) after `duration`
     PARTITION = "partition"  # no message between `engine` and `peer` for `duration`
-    STALL = "stall"  # the engine's forward pass starting at `at` takes `duration` longer
+    STALL = "stall"  # the decoder's forward pass runs from `at` for at least `duration`
+    #: Adversarial: the decoder's forward pass runs from `at` until just around the earliest
+    #: validity end of its waiting requests (`duration` is the offset, in lease/50 units).
+    EDGE_STALL = "edge-stall"
 
 
 @attrs.frozen
@@ -199,7 +202,7 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         max_message_bytes=rng.choice((128, 256, 1024)),
     )
     ext = cfg.lease_extension
-    horizon = duration_lease * 12.0
+    horizon = duration_lease * 10.0
     n_p, n_d = rng.randint(1, 2), rng.randint(1, 2)
     prefill = tuple(EngineSpec(f"P{i}", rng.choice((1, 2, 4))) for i in range(n_p))
     decode = tuple(EngineSpec(f"D{i}", rng.choice((1, 2)), rng.randint(1, 4)) for i in range(n_d))
@@ -214,10 +217,14 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
     )
     names = [e.name for e in prefill] + [e.name for e in decode]
     faults: list[Fault] = []
-    for _ in range(rng.randint(0, 4)):
-        kind = rng.choice((FaultKind.CRASH, FaultKind.PARTITION, FaultKind.STALL, FaultKind.STALL))
+    for _ in range(rng.randint(0, 6)):
+        kind = rng.choice(
+            (FaultKind.CRASH, FaultKind.PARTITION, FaultKind.STALL, FaultKind.EDGE_STALL, FaultKind.EDGE_STALL)
+        )
         at = rng.uniform(0.0, horizon * 0.8)
-        if kind is FaultKind.STALL:
+        if kind is FaultKind.EDGE_STALL:
+            faults.append(Fault(kind, at, rng.uniform(-0.5, 2.0), rng.choice(decode).name))
+        elif kind is FaultKind.STALL:
             eng = rng.choice(decode).name
             # Around the extension: the window where validity, expiry and access meet.
             faults.append(Fault(kind, at, rng.uniform(0.5, 1.3) * ext, eng))
@@ -227,7 +234,7 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
             p, d = rng.choice(prefill).name, rng.choice(decode).name
             faults.append(Fault(kind, at, rng.uniform(0.2, 2.5) * ext, d, p))
     faults.sort(key=lambda f: (f.at, f.engine))
-    step = duration_lease / 60.0
+    step = duration_lease / 25.0
     workload = WorkloadSpec(
         duration=horizon,
         rate=rng.uniform(1.0, 4.0) / duration_lease,
@@ -239,7 +246,7 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         step_base=step,
         step_per_seq=step / 10,
         transfer_base=cfg.max_access_time / 20,
-        transfer_per_block=cfg.max_access_time / 100,
+        transfer_per_block=cfg.max_access_time / 400,
         router_delay=step / 4,
         router_detect=duration_lease / 2,
         client_retry=duration_lease / 4,
@@ -256,5 +263,5 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         faults=tuple(faults),
         config=cfg,
         drift=drift,
-        max_requests=60,
+        max_requests=40,
     )
