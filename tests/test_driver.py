@@ -268,3 +268,31 @@ def test_restarted_pinner_loses_old_leases_precisely() -> None:
             p2.close()
     finally:
         d.close()
+
+
+def test_vllm_compat_notifications_renew_and_complete() -> None:
+    """A stock vLLM decoder's ``HB:`` and ``id:count`` notifications over the same wire."""
+    cfg = CFG.with_changes(vllm_compat=True, kv_lease_duration=1.5)  # extension 1 s
+    pt = ZmqTransport("P")
+    p = Driver(pt, pinner=Pinner(cfg, "P", 3), vllm_compat=True)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.IDENTITY, b"vllm-d\x000")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(pt.address)
+    try:
+        ticket = p.grant("req-7")
+        assert p.pinner is not None
+        before = p.pinner.info(ticket.lease_id)
+        assert before is not None
+        time.sleep(0.6)  # so that now + extension lies beyond the initial expiry
+        raw.send_multipart([b"M", b"HB:req-7,unknown-req"])
+        _pump([p], lambda: p.stats.leases_renewed >= 1)
+        after = p.pinner.info(ticket.lease_id)
+        assert after is not None and after.expiry > before.expiry
+        raw.send_multipart([b"M", b"req-7:1"])
+        events = _pump([p], lambda: p.stats.leases_completed >= 1)
+        assert any(isinstance(e, Free) and e.key == "req-7" for e in events)
+        assert p.stats.malformed_messages == 0
+    finally:
+        raw.close(0)
+        p.close()
