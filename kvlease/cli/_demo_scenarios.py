@@ -50,7 +50,7 @@ class Bounds:
             interval=config.heartbeat_interval,
             extension=config.lease_extension,
             accessor_extension=config.accessor_extension,
-            slack=tick + 0.25,
+            slack=tick + 0.5,
         )
 
     @property
