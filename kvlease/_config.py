@@ -36,6 +36,14 @@ def _int_range(lo: int, hi: int) -> Any:
     return check
 
 
+def _boolean() -> Any:
+    def check(inst: object, attribute: attrs.Attribute[bool], value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(attribute.name, value, "a bool")
+
+    return check
+
+
 @attrs.frozen(kw_only=True)
 class LeaseConfig:
     """Timing and safety settings shared by pinners and accessors.
@@ -70,7 +78,7 @@ class LeaseConfig:
     clock_sample_window: int = attrs.field(default=16, validator=_int_range(1, 4096))
     #: Keep a request-id index on the pinner so stock vLLM ``HB:``/``id:count`` notifications
     #: can be understood. Costs one dict entry per live lease.
-    vllm_compat: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    vllm_compat: bool = attrs.field(default=False, validator=_boolean())
 
     def __attrs_post_init__(self) -> None:
         if self.accessor_extension <= 0.0:
