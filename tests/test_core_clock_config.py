@@ -1,0 +1,236 @@
+"""`ClockOffsetEstimator` (min-delay filter, error growing with age, conservative conversion
+under bounded drift) and `LeaseConfig` (validation names the field; derived values)."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlease import (
+    ClockOffsetEstimator,
+    ClockSample,
+    ConfigError,
+    LeaseConfig,
+    LeaseTicket,
+    LocalProtocolError,
+    LocalTime,
+    PeerTime,
+    RemoteProtocolError,
+)
+from kvlease.testing import PeerClock
+
+
+def _sample(t1: float, t2: float, t3: float, t4: float) -> ClockSample:
+    return ClockSample(LocalTime(t1), PeerTime(t2), PeerTime(t3), LocalTime(t4))
+
+
+def test_offset_and_delay_of_one_round_trip() -> None:
+    s = _sample(100.0, 5100.2, 5100.3, 100.5)
+    assert s.offset == pytest.approx(5000.0)
+    assert s.delay == pytest.approx(0.4)
+
+
+def test_min_delay_filter_picks_the_tightest_sample() -> None:
+    est = ClockOffsetEstimator(max_drift_rate=0.0, window=4)
+    assert est.estimate(LocalTime(0.0)) is None
+    assert est.to_local_deadline(LocalTime(0.0), PeerTime(1.0)) is None
+    est.add_sample(_sample(0.0, 1000.5, 1000.5, 1.0))  # delay 1.0
+    est.add_sample(_sample(2.0, 1002.05, 1002.05, 2.1))  # delay 0.1: the best
+    est.add_sample(_sample(3.0, 1003.4, 1003.4, 3.8))  # delay 0.8
+    e = est.estimate(LocalTime(4.0))
+    assert e is not None and e.offset == pytest.approx(1000.0) and e.error == pytest.approx(0.05)
+    assert est.sample_count == 3
+
+
+def test_window_forgets_the_oldest_samples() -> None:
+    est = ClockOffsetEstimator(max_drift_rate=0.0, window=2)
+    est.add_sample(_sample(0.0, 10.0, 10.0, 0.0))  # perfect, but will fall out of the window
+    est.add_sample(_sample(1.0, 11.5, 11.5, 2.0))
+    est.add_sample(_sample(3.0, 13.5, 13.5, 4.0))
+    e = est.estimate(LocalTime(5.0))
+    assert est.sample_count == 2 and e is not None and e.error == pytest.approx(0.5)
+
+
+def test_error_bound_grows_with_age() -> None:
+    rho = 1e-3
+    est = ClockOffsetEstimator(max_drift_rate=rho)
+    est.add_sample(_sample(10.0, 20.05, 20.05, 10.1))
+    errs = [est.estimate(LocalTime(t)) for t in (10.1, 100.0, 1000.0)]
+    assert all(e is not None for e in errs)
+    e0, e1, e2 = (e.error for e in errs if e is not None)
+    assert e0 < e1 < e2
+    assert e2 - e1 >= 2 * rho * 900.0  # at least twice the drift rate (both clocks drift)
+
+
+def test_add_sample_misuse_and_peer_errors() -> None:
+    est = ClockOffsetEstimator(max_drift_rate=1e-4)
+    with pytest.raises(RemoteProtocolError, match="non-finite"):
+        est.add_sample(_sample(0.0, math.nan, 1.0, 1.0))
+    with pytest.raises(LocalProtocolError, match="before sent"):
+        est.add_sample(_sample(2.0, 5.0, 5.0, 1.0))
+    with pytest.raises(RemoteProtocolError, match="before it received"):
+        est.add_sample(_sample(0.0, 5.0, 4.0, 1.0))
+    est.add_sample(_sample(5.0, 9.0, 9.0, 6.0))
+    with pytest.raises(LocalProtocolError, match="receive order"):
+        est.add_sample(_sample(1.0, 9.0, 9.0, 2.0))
+
+
+@given(
+    peer_epoch=st.floats(1e4, 2e5),
+    local_epoch=st.floats(1e4, 2e5),
+    signs=st.tuples(st.sampled_from([-1.0, 0.0, 1.0, 0.3]), st.sampled_from([-1.0, 0.0, 1.0, -0.7])),
+    rho=st.sampled_from([0.0, 1e-5, 1e-4, 1e-2]),
+    trips=st.lists(st.tuples(st.floats(0.0, 50.0), st.floats(0.0, 0.5), st.floats(0.0, 0.5)), min_size=1, max_size=6),
+    later=st.floats(0.0, 500.0),
+    ahead=st.floats(-100.0, 1000.0),
+)
+def test_conversion_is_never_later_than_the_truth(
+    peer_epoch: float,
+    local_epoch: float,
+    signs: tuple[float, float],
+    rho: float,
+    trips: list[tuple[float, float, float]],
+    later: float,
+    ahead: float,
+) -> None:
+    """Whatever the clocks do within the drift bound and whatever the delays, the converted
+    deadline is an instant at or before the real one."""
+    peer = PeerClock(peer_epoch, 1.0 + signs[0] * rho)
+    local = PeerClock(local_epoch, 1.0 + signs[1] * rho)
+    est = ClockOffsetEstimator(max_drift_rate=rho, window=4)
+    real = 0.0
+    for gap, d_out, d_back in trips:
+        real += gap
+        t1 = local.local(real)
+        t2 = peer.local(real + d_out)
+        t4 = local.local(real + d_out + d_back)
+        est.add_sample(ClockSample(t1, PeerTime(t2), PeerTime(t2), t4))
+        real += d_out + d_back
+    real += later
+    now = local.local(real)
+    deadline = PeerTime(peer.local(real) + ahead)
+    got = est.to_local_deadline(now, deadline)
+    assert got is not None
+    truth_real = peer.real(deadline)
+    assert local.real(got) <= truth_real + 1e-9 * max(1.0, abs(truth_real))
+
+
+# -- LeaseConfig -------------------------------------------------------------------------------
+
+
+def test_defaults_equal_vllm_at_30s() -> None:
+    c = LeaseConfig()
+    assert c.kv_lease_duration == 30.0 and c.decoder_kv_blocks_ttl == 480.0
+    assert c.heartbeat_interval == 5.0 and c.lease_extension == 20.0
+    assert c.accessor_extension < c.lease_extension
+    assert c.accessor_extension == pytest.approx(20.0 * (1 - 1e-4) / (1 + 1e-4) - 0.05)
+    assert c.push_guard == c.access_time_local == pytest.approx(2.0 * (1 + 1e-4))
+
+
+@pytest.mark.parametrize("duration", [0.3, 0.6, 0.999, 5.99])
+def test_sub_second_and_short_durations_work(duration: float) -> None:
+    """vLLM's ``duration // 6`` is 0 below 6 s; here the derived values are exact fractions."""
+    c = LeaseConfig(kv_lease_duration=duration, validity_margin=0.01)
+    assert c.heartbeat_interval == pytest.approx(duration / 6) and c.heartbeat_interval > 0
+    assert c.lease_extension == pytest.approx(duration * 2 / 3)
+    assert c.accessor_extension > c.heartbeat_interval
+
+
+BAD_FIELDS: list[tuple[str, object]] = [
+    ("kv_lease_duration", 0.0),
+    ("kv_lease_duration", -1.0),
+    ("kv_lease_duration", math.nan),
+    ("kv_lease_duration", math.inf),
+    ("kv_lease_duration", 86401.0),
+    ("kv_lease_duration", True),
+    ("kv_lease_duration", "30"),
+    ("decoder_kv_blocks_ttl", 0.0),
+    ("decoder_kv_blocks_ttl", 7 * 86400.0 + 1),
+    ("max_drift_rate", -1e-9),
+    ("max_drift_rate", 0.02),
+    ("max_drift_rate", math.nan),
+    ("max_access_time", -0.1),
+    ("max_access_time", math.inf),
+    ("validity_margin", -0.01),
+    ("validity_margin", 30.0),  # leaves no validity window at a 30 s lease
+    ("max_message_bytes", 127),
+    ("max_message_bytes", (1 << 20) + 1),
+    ("max_message_bytes", 1024.0),
+    ("tombstone_limit", -1),
+    ("tombstone_limit", True),
+    ("max_outstanding_heartbeats", 0),
+    ("clock_sample_window", 0),
+    ("clock_sample_window", 4097),
+    ("vllm_compat", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_FIELDS)
+def test_every_bad_value_raises_config_error_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        LeaseConfig(**{field: value})  # type: ignore[arg-type]
+    assert info.value.field == field
+    assert field in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_every_field_is_covered_by_a_bad_value() -> None:
+    names = {a.name for a in attrs.fields(LeaseConfig)}
+    assert names == {f for f, _ in BAD_FIELDS}
+
+
+def test_config_is_frozen_and_with_changes_validates() -> None:
+    c = LeaseConfig()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        c.kv_lease_duration = 1.0  # type: ignore[misc]
+    assert c.with_changes(kv_lease_duration=3.0).heartbeat_interval == 0.5
+    with pytest.raises(ConfigError, match="max_message_bytes"):
+        c.with_changes(max_message_bytes=1)
+
+
+# -- LeaseTicket -------------------------------------------------------------------------------
+
+
+@given(
+    st.builds(
+        LeaseTicket,
+        st.text(min_size=1, max_size=20),
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**64 - 1),
+        ranks=st.integers(1, 64),
+    )
+)
+def test_ticket_round_trips_through_a_dict(tk: LeaseTicket) -> None:
+    assert LeaseTicket.from_dict(tk.to_dict()) == tk
+
+
+def test_fixed_ticket_round_trips() -> None:
+    from kvlease import LeaseKind
+
+    tk = LeaseTicket("p", 1, 2, LeaseKind.FIXED_TTL, PeerTime(123.5), 4)
+    assert LeaseTicket.from_dict(tk.to_dict()) == tk
+
+
+@pytest.mark.parametrize(
+    "d",
+    [
+        [],
+        {},
+        {"engine_id": "", "incarnation": 1, "lease_id": 1},
+        {"engine_id": 3, "incarnation": 1, "lease_id": 1},
+        {"engine_id": "p", "incarnation": -1, "lease_id": 1},
+        {"engine_id": "p", "incarnation": 1, "lease_id": 2**64},
+        {"engine_id": "p", "incarnation": 1, "lease_id": True},
+        {"engine_id": "p", "incarnation": 1, "lease_id": 1, "ranks": 0},
+        {"engine_id": "p", "incarnation": 1, "lease_id": 1, "kind": 7},
+        {"engine_id": "p", "incarnation": 1, "lease_id": 1, "kind": 1},
+        {"engine_id": "p", "incarnation": 1, "lease_id": 1, "kind": 1, "deadline": "soon"},
+    ],
+)
+def test_malformed_tickets_are_remote_errors(d: object) -> None:
+    with pytest.raises(RemoteProtocolError):
+        LeaseTicket.from_dict(d)
