@@ -339,6 +339,16 @@ def test_pinner_crash_accessor_reports_lost(pair: tuple[Peer, Peer]) -> None:
     assert not accessor.wait("decision", timeout=5)["allowed"]
     accessor.send(cmd="valid", key="p-pull")
     accessor.wait("valid", timeout=5)
+    # The pinner comes back (same engine id; new incarnation, agent, metadata and address):
+    # the accessor re-handshakes, replaces the remote agent, and reads from it.
+    restarted = Peer("pinner")
+    try:
+        sha = _lease(restarted, accessor, "after-restart", "r-new", 8192, seed=13)
+        accessor.send(cmd="read", key="after-restart", region="r-new", nbytes=8192)
+        assert accessor.wait("completed", match=lambda e: e["key"] == "after-restart")["sha"] == sha
+        assert restarted.wait("free", match=lambda e: e["key"] == "after-restart")["reason"] == "access_done"
+    finally:
+        restarted.close()
 
 
 @pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
