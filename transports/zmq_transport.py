@@ -257,7 +257,7 @@ class ZmqTransport:
 
     def _drain_router(self) -> None:
         # Checking EVENTS first is far cheaper than a recv that raises zmq.Again.
-        if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not int(self._router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             return
         for _ in range(_MAX_DRAIN):
             try:
@@ -316,7 +316,7 @@ class ZmqTransport:
 
     def _drain_dealer(self, d: _Dealer) -> None:
         try:
-            if not d.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not int(d.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
         except zmq.ZMQError:
             return  # closed under us by forget_peer
