@@ -164,6 +164,29 @@ class Scenario:
             "max_requests": self.max_requests,
         }
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Scenario:
+        """The inverse of `to_json` (for `kvlease sim --replay`)."""
+        wl = dict(d["workload"])
+        wl["bursts"] = tuple(tuple(b) for b in wl.get("bursts", ()))
+        for name in ("prompt_tokens", "output_tokens"):
+            if name in wl:
+                wl[name] = tuple(wl[name])
+        return cls(
+            seed=int(d["seed"]),
+            prefill=tuple(EngineSpec(**e) for e in d["prefill"]),
+            decode=tuple(EngineSpec(**e) for e in d["decode"]),
+            workload=WorkloadSpec(**wl),
+            network=NetworkSpec(**d["network"]),
+            faults=tuple(
+                Fault(FaultKind(f["kind"]), f["at"], f["duration"], f["engine"], f.get("peer", ""))
+                for f in d["faults"]
+            ),
+            config=LeaseConfig(**d["config"]),
+            drift=float(d["drift"]),
+            max_requests=int(d["max_requests"]),
+        )
+
 
 def default_scenario(
     seed: int = 1,
@@ -202,7 +225,7 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         max_message_bytes=rng.choice((128, 256, 1024)),
     )
     ext = cfg.lease_extension
-    horizon = duration_lease * 10.0
+    horizon = duration_lease * 8.0
     n_p, n_d = rng.randint(1, 2), rng.randint(1, 2)
     prefill = tuple(EngineSpec(f"P{i}", rng.choice((1, 2, 4))) for i in range(n_p))
     decode = tuple(EngineSpec(f"D{i}", rng.choice((1, 2)), rng.randint(1, 4)) for i in range(n_d))
@@ -263,5 +286,5 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         faults=tuple(faults),
         config=cfg,
         drift=drift,
-        max_requests=40,
+        max_requests=30,
     )
