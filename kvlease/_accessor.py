@@ -74,12 +74,18 @@ class AccessDecision:
     guaranteed: bool
     valid_until: LocalTime | None
     reason: str = ""
+    #: The access-done to attach to the transfer, so the transport delivers it to the pinner
+    #: only after the data has landed (NIXL: the transfer's notification). Pass
+    #: ``notified=True`` to `Accessor.access_finished` when it was attached.
+    notification: AccessDone | None = None
+    #: The pinner ranks this accessor rank accesses (and notifies), for heterogeneous TP.
+    targets: tuple[int, ...] = ()
 
 
 class _Tracked:
     __slots__ = (
-        "confirm_pending", "engine", "incarnation", "key", "kind", "lease_id", "push", "state",
-        "tracked_at", "valid_until",
+        "attached_confirm", "confirm_pending", "engine", "incarnation", "key", "kind", "lease_id", "push",
+        "state", "tracked_at", "valid_until",
     )
 
     def __init__(self, key: str, engine: _Engine, ticket: LeaseTicket, push: bool, now: float) -> None:
@@ -93,6 +99,7 @@ class _Tracked:
         self.tracked_at = now
         self.valid_until = float("-inf")
         self.confirm_pending: set[int] = set()
+        self.attached_confirm = False  # the notification handed out by begin_access asks to confirm
 
 
 class _Outstanding:
@@ -284,6 +291,8 @@ class Accessor:
             return AccessDecision(False, False, None, "not tracked (finished, lost, or never tracked)")
         if t.state is not TrackedState.WAITING:
             return AccessDecision(False, False, None, f"lease is {t.state.value}")
+        if not t.engine.connected or t.engine.incarnation != t.incarnation:
+            return AccessDecision(False, False, None, "the pinner engine is not connected (handshake pending)")
         if t.kind is LeaseKind.FIXED_TTL:
             self._refresh_fixed(now, t.engine, t)
         valid = None if t.valid_until == float("-inf") else LocalTime(t.valid_until)
@@ -291,7 +300,13 @@ class Accessor:
         if t.push and not guaranteed:
             return AccessDecision(False, False, valid, "validity window does not cover the access-time bound")
         t.state = TrackedState.ACCESSING
-        return AccessDecision(True, guaranteed, valid)
+        expected, targets = self._pinner_targets(t.engine)
+        # Not covered for the whole access: the attached notification asks the pinner to confirm.
+        t.attached_confirm = not guaranteed
+        note = AccessDone(
+            self.engine_id, self.rank, t.incarnation, t.lease_id, expected, not guaranteed, LocalTime(now)
+        )
+        return AccessDecision(True, guaranteed, valid, "", note, tuple(targets))
 
     def access_failed(self, now: LocalTime, key: str) -> tuple[AccessorOutput, ...]:
         """The transfer failed at the transport; the lease stays tracked (retry or untrack)."""
@@ -304,9 +319,14 @@ class Accessor:
         heapq.heappush(self._checks, (self._lapse_time(t), key))
         return ()
 
-    def access_finished(self, now: LocalTime, key: str) -> tuple[AccessorOutput, ...]:
+    def access_finished(self, now: LocalTime, key: str, *, notified: bool = False) -> tuple[AccessorOutput, ...]:
         """The READ/WRITE finished. Reports it complete only if it provably did not overlap a
-        free; otherwise asks the pinner and reports the verdict later (or stale on timeout)."""
+        free; otherwise asks the pinner and reports the verdict later (or stale on timeout).
+
+        `notified`: the transport delivered `AccessDecision.notification` with the transfer
+        (after the data landed), so the access-done is sent again only if a confirmation is
+        needed that the attached one did not ask for.
+        """
         self._advance(now)
         t = self._require(key, TrackedState.ACCESSING, TrackedState.LOST)
         eng = t.engine
@@ -314,13 +334,14 @@ class Accessor:
         if t.state is TrackedState.LOST:
             self._forget(t)
             done = AccessDone(self.engine_id, self.rank, t.incarnation, t.lease_id, expected, False, LocalTime(now))
-            sends = tuple(Send(eng.engine_id, r, done) for r in targets)
+            sends = () if notified else tuple(Send(eng.engine_id, r, done) for r in targets)
             return (*sends, AccessStale(key, t.lease_id, "the lease was lost during the access"))
         if t.kind is LeaseKind.FIXED_TTL:
             self._refresh_fixed(now, eng, t)
         covered = now < t.valid_until
         done = AccessDone(self.engine_id, self.rank, t.incarnation, t.lease_id, expected, not covered, LocalTime(now))
-        out: list[AccessorOutput] = [Send(eng.engine_id, r, done) for r in targets]
+        resend = not notified or (not covered and not t.attached_confirm)
+        out: list[AccessorOutput] = [Send(eng.engine_id, r, done) for r in targets] if resend else []
         if covered:
             self._forget(t)
             out.append(AccessCompleted(key, t.lease_id, confirmed_by_pinner=False))
@@ -470,6 +491,12 @@ class Accessor:
         return (AccessCompleted(t.key, t.lease_id, confirmed_by_pinner=True),)
 
     # -- internals --------------------------------------------------------------------------
+
+    def handshake(self, now: LocalTime, engine_id: str) -> HandshakeNeeded:
+        """A handshake for `engine_id` now, for a driver that connects proactively (before
+        any request names the engine). Feed the reply to `handshake_reply`."""
+        self._advance(now)
+        return HandshakeNeeded(engine_id, self._handshake(now))
 
     def _handshake(self, now: float) -> Handshake:
         return Handshake(self.engine_id, self.rank, self.ranks, PROTOCOL_VERSION, int(ALL_CAPABILITIES), LocalTime(now))
