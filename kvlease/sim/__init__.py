@@ -22,6 +22,7 @@ from ._campaign import (
     run_seed,
 )
 from ._cluster import AccessorFactory, Cluster, PinnerFactory, RunResult, Violation
+from ._doubles import BUGS
 from ._scenario import (
     EngineSpec,
     Fault,
@@ -35,6 +36,7 @@ from ._scenario import (
 )
 
 __all__ = [
+    "BUGS",
     "TRACE_FORMAT",
     "AccessorFactory",
     "CampaignFailure",

@@ -195,19 +195,26 @@ def default_scenario(
     rate: float = 5.0,
     crash_at: float | None = 240.0,
     burst: tuple[float, float, float] | None = (200.0, 60.0, 25.0),
+    stall: tuple[float, float] | None = (230.0, 25.0),
 ) -> Scenario:
     """The policy comparison: 3 prefill engines (TP 2, 1, 2), 4 decode engines (TP 1, 2, 1, 1),
-    a decoder crash at `crash_at` (restarting 30 s later), and an arrival burst that overloads
-    the decoders so requests queue for longer than 30 s."""
-    faults: tuple[Fault, ...] = ()
+    a decoder crash at `crash_at` (restarting 30 s later), an arrival burst that overloads
+    the decoders so requests queue for longer than 30 s, and one forward pass of D2 that
+    stalls (start, length) for longer than the lease extension during the burst: the leases of
+    requests queued there expire under them (what silent vLLM-style heartbeats turn into stale
+    reads, and kvlease reports as lost)."""
+    faults: list[Fault] = []
+    if stall is not None:
+        faults.append(Fault(FaultKind.STALL, stall[0], stall[1], "D2"))
     if crash_at is not None:
-        faults = (Fault(FaultKind.CRASH, crash_at, 30.0, "D1"),)
+        faults.append(Fault(FaultKind.CRASH, crash_at, 30.0, "D1"))
+    faults.sort(key=lambda f: f.at)
     return Scenario(
         seed=seed,
         prefill=(EngineSpec("P0", 2), EngineSpec("P1", 1), EngineSpec("P2", 2)),
         decode=(EngineSpec("D0", 1), EngineSpec("D1", 2, 48), EngineSpec("D2", 1), EngineSpec("D3", 1)),
         workload=WorkloadSpec(duration=duration, rate=rate, bursts=(burst,) if burst else ()),
-        faults=faults,
+        faults=tuple(faults),
     )
 
 

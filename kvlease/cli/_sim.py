@@ -1,0 +1,362 @@
+"""`kvlease sim`: the policy comparison (table, JSON, PNG figures) and the fault campaign.
+
+The application shell around `kvlease.sim`: it parses options, runs the pure simulator, draws
+rich tables and progress bars, writes JSON and PNG files. matplotlib and rich are imported only
+here (matplotlib only when ``--plot`` is given). No protocol logic lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..sim import (
+    BUGS,
+    Policy,
+    RunResult,
+    Scenario,
+    campaign_scenario,
+    default_scenario,
+    failure_record,
+    minimize,
+    run_scenario,
+    run_seed,
+)
+from ..sim import Cluster as _Cluster
+
+__all__ = ["sim"]
+
+_POLICY_NAMES = [p.value for p in Policy]
+
+#: Columns of the comparison table: (summary key, header, format)
+_COLUMNS: list[tuple[str, str, str]] = [
+    ("dead_block_seconds", "dead blk·s", "{:,.0f}"),
+    ("peak_pinned_blocks", "peak blks", "{:,.0f}"),
+    ("false_frees", "false frees", "{:d}"),
+    ("recomputed", "recomp", "{:d}"),
+    ("leases_lost", "lost", "{:d}"),
+    ("stale_caught", "stale caught", "{:d}"),
+    ("stale_used", "stale used", "{:d}"),
+    ("reclaim_p50", "reclaim p50", "{:.1f}"),
+    ("reclaim_max", "reclaim max", "{:.1f}"),
+    ("heartbeat_bytes", "hb bytes", "{:,d}"),
+]
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    return fmt.format(value)
+
+
+def _parse_burst(value: str) -> tuple[float, float, float] | None:
+    if value.lower() in ("none", "off", ""):
+        return None
+    try:
+        start, length, rate = (float(x) for x in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected START,LENGTH,RATE (seconds, seconds, requests/s), got {value!r}") from None
+    return start, length, rate
+
+
+def _table(results: list[RunResult], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("policy", style="bold", no_wrap=True)
+    for _, header, _ in _COLUMNS:
+        table.add_column(header, justify="right")
+    table.caption = (
+        "dead blk·s: KV blocks pinned for dead requests x seconds; false frees: leases freed while "
+        "a live decoder still needed them; stale used: reads of freed blocks handed to the engine; "
+        "reclaim: s from decoder death to free"
+    )
+    for r in results:
+        s = r.summary()
+        table.add_row(r.policy, *(_fmt(s[k], f) for k, _, f in _COLUMNS))
+    Console().print(table)
+
+
+def markdown_table(results: list[RunResult]) -> str:
+    """The comparison as a GitHub-flavoured Markdown table (for docs/sim-results.md)."""
+    head = "| policy | " + " | ".join(h for _, h, _ in _COLUMNS) + " |"
+    sep = "|---|" + "---:|" * len(_COLUMNS)
+    rows = [head, sep]
+    for r in results:
+        s = r.summary()
+        rows.append(f"| {r.policy} | " + " | ".join(_fmt(s[k], f) for k, _, f in _COLUMNS) + " |")
+    return "\n".join(rows)
+
+
+def _progress() -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        disable=not sys.stderr.isatty(), console=None, transient=False,
+    )
+
+
+def _run_policies(scenario: Scenario, policies: list[Policy]) -> list[RunResult]:
+    results = []
+    with _progress() as progress:
+        task = progress.add_task("simulating", total=len(policies))
+        for policy in policies:
+            results.append(_Cluster(scenario, policy).run())
+            progress.advance(task)
+    return results
+
+
+def _plots(out: Path, results: list[RunResult], seed: int, sweep_rates: list[float]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    colors = {"fixed-480s": "tab:red", "fixed-30s": "tab:orange", "kvlease": "tab:green", "vllm-hb": "tab:blue"}
+    styles = {"vllm-hb": ":", "fixed-30s": "--"}
+
+    # 1. Pinned memory over time through the burst and the crash.
+    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=100)
+    for r in results:
+        xs = [t for t, _ in r.timeline]
+        ys = [b / 1000.0 for _, b in r.timeline]
+        ax.plot(xs, ys, label=r.policy, color=colors.get(r.policy), linestyle=styles.get(r.policy, "-"), lw=1.3)
+    sc = default_scenario(seed)
+    for b_start, b_len, _ in sc.workload.bursts:
+        ax.axvspan(b_start, b_start + b_len, color="0.85", lw=0, label="burst")
+    for f in sc.faults:
+        style = "--" if f.kind.value == "crash" else ":"
+        ax.axvline(f.at, color="k", lw=0.8, ls=style, label=f"{f.engine} {f.kind.value}")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("pinned KV blocks (thousands)")
+    ax.set_title("Pinned prefill memory through a burst and a decoder crash")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    path = out / "sim-pinned-memory.png"
+    fig.savefig(path)
+    plt.close(fig)
+    written.append(path)
+
+    # 2. CDF of reclaim latency after the crash.
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+    for r in results:
+        lat = sorted(r.reclaim_latencies)
+        if not lat:
+            continue
+        ys = [(i + 1) / len(lat) for i in range(len(lat))]
+        ax.step(lat, ys, where="post", label=r.policy, color=colors.get(r.policy), linestyle=styles.get(r.policy, "-"))
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds from decoder death to the blocks' free (log)")
+    ax.set_ylabel("fraction of dead leases")
+    ax.set_title("Reclaim latency after a decoder crash")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "sim-reclaim-cdf.png"
+    fig.savefig(path)
+    plt.close(fig)
+    written.append(path)
+
+    # 3. Wasted prefills vs load (burst intensity), no crash.
+    policies = [Policy.FIXED_480, Policy.FIXED_30, Policy.KVLEASE]
+    wasted: dict[str, list[float]] = {p.value: [] for p in policies}
+    with _progress() as progress:
+        task = progress.add_task("load sweep", total=len(sweep_rates) * len(policies))
+        for rate in sweep_rates:
+            scenario = default_scenario(seed, duration=300.0, crash_at=None, burst=(60.0, 60.0, rate), stall=None)
+            for p in policies:
+                wasted[p.value].append(_Cluster(scenario, p).run().recomputed)
+                progress.advance(task)
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
+    for name, ys in wasted.items():
+        ax.plot(sweep_rates, ys, marker="o", label=name, color=colors.get(name), linestyle=styles.get(name, "-"))
+    ax.set_xlabel("burst arrival rate for 60 s (requests/s; decoders serve ~12/s)")
+    ax.set_ylabel("prefills wasted and recomputed")
+    ax.set_title("Wasted prefills vs load")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "sim-wasted-prefills.png"
+    fig.savefig(path)
+    plt.close(fig)
+    written.append(path)
+    (out / "sim-wasted-prefills.json").write_text(
+        json.dumps({"burst_rates": sweep_rates, "recomputed": wasted}, indent=1) + "\n"
+    )
+    return written
+
+
+def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bool, max_reports: int) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=as_json)
+    pinner_factory, accessor_factory = BUGS[bug] if bug else (None, None)
+    failures: list[tuple[int, Any]] = []
+    by_claim: dict[str, int] = {}
+    events = 0
+    started = time.perf_counter()
+    with _progress() as progress:
+        task = progress.add_task("campaign", total=n)
+        for seed in range(first, first + n):
+            result = run_seed(seed, pinner_factory=pinner_factory, accessor_factory=accessor_factory)
+            events += result.events
+            if result.violations:
+                failures.append((seed, result.violations))
+                for claim in {v.claim for v in result.violations}:
+                    by_claim[claim] = by_claim.get(claim, 0) + 1
+            progress.update(task, advance=1, description=f"campaign ({len(failures)} failing)")
+    elapsed = time.perf_counter() - started
+    records = []
+    for seed, violations in failures[:max_reports]:
+        first_v = violations[0]
+        scenario = minimize(
+            campaign_scenario(seed), first_v.claim, pinner_factory=pinner_factory, accessor_factory=accessor_factory
+        )
+        rerun = run_scenario(scenario, pinner_factory=pinner_factory, accessor_factory=accessor_factory, trace=True)
+        violation = next((v for v in rerun.violations if v.claim == first_v.claim), first_v)
+        record = failure_record(
+            scenario, rerun, violation, original_seed=seed, note=f"injected bug: {bug}" if bug else ""
+        )
+        records.append(record)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / f"sim-violation-seed{seed}-{violation.claim}.json"
+            path.write_text(json.dumps(record, indent=1) + "\n")
+            record["written_to"] = str(path)
+        if not as_json:
+            console.print(f"[bold red]seed {seed}[/]: {violation.claim} at {violation.at:.6f}: {violation.detail}")
+            console.print(f"  minimized: {len(scenario.faults)} fault(s), {scenario.max_requests} request(s); trace:")
+            for t, who, what, detail in record["trace"][-25:]:
+                console.print(f"    {t:14.6f} {who:6} {what:14} {detail[:150]}", markup=False, highlight=False)
+            if out is not None:
+                console.print(f"  written to {record['written_to']}")
+    summary = {
+        "seeds": n,
+        "first_seed": first,
+        "injected_bug": bug,
+        "events": events,
+        "seconds": round(elapsed, 3),
+        "failing_seeds": [s for s, _ in failures],
+        "by_claim": by_claim,
+        "reports": records,
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+    else:
+        verdict = "[bold green]no violations[/]" if not failures else f"[bold red]{len(failures)} failing seed(s)[/]"
+        console.print(
+            f"campaign: {n} seeds ({first}..{first + n - 1}), {events:,} events in {elapsed:.1f} s: {verdict}"
+            + (f" {by_claim}" if by_claim else "")
+        )
+    return 1 if failures else 0
+
+
+@click.command()
+@click.option("--seed", type=int, default=1, show_default=True, help="Workload and fault seed.")
+@click.option(
+    "--policy", "policies", multiple=True, type=click.Choice(_POLICY_NAMES),
+    help="Policies to compare (repeatable; default: all).",
+)
+@click.option("--duration", type=float, default=900.0, show_default=True, help="Simulated seconds.")
+@click.option("--rate", type=float, default=5.0, show_default=True, help="Arrivals per second outside the burst.")
+@click.option(
+    "--crash-at", type=float, default=240.0, show_default=True, help="When decoder D1 crashes (negative: never)."
+)
+@click.option("--burst", default="200,60,25", show_default=True, help="START,LENGTH,RATE of the burst, or 'none'.")
+@click.option(
+    "--stall", default="230,25", show_default=True, help="START,LENGTH of one stalled forward pass of D2, or 'none'."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--markdown", is_flag=True, help="Print the comparison as a Markdown table.")
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG figures here.")
+@click.option(
+    "--sweep", default="10,15,20,25,30", show_default=True, help="Burst rates for the wasted-prefills figure."
+)
+@click.option("--campaign", "campaign_n", type=int, help="Run the fault campaign over N seeds instead.")
+@click.option("--first-seed", type=int, default=0, show_default=True, help="First campaign seed.")
+@click.option(
+    "--out", type=click.Path(file_okay=False, path_type=Path),
+    help="Campaign: write each violation as a JSON trace (conformance-vector candidate) here.",
+)
+@click.option(
+    "--inject-bug", type=click.Choice(sorted(BUGS)),
+    help="Campaign: run a deliberately broken core, to see the campaign fail.",
+)
+@click.option("--max-reports", type=int, default=3, show_default=True, help="Campaign: minimize and report this many.")
+@click.option(
+    "--replay", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="Rerun the scenario of a violation record written by --out.",
+)
+def sim(
+    seed: int,
+    policies: tuple[str, ...],
+    duration: float,
+    rate: float,
+    crash_at: float,
+    burst: str,
+    stall: str,
+    as_json: bool,
+    markdown: bool,
+    plot_dir: Path | None,
+    sweep: str,
+    campaign_n: int | None,
+    first_seed: int,
+    out: Path | None,
+    inject_bug: str | None,
+    max_reports: int,
+    replay: Path | None,
+) -> None:
+    """Simulate a P/D cluster running the real kvlease core (virtual time, simulated network).
+
+    Default: compare fixed 480 s and 30 s timeouts, kvlease renewal and vLLM-style silent
+    heartbeats on one seeded workload with a burst and a decoder crash. With --campaign N: run
+    N small adversarial seeds and check every safety and liveness claim (exit status 1 on a
+    violation).
+    """
+    if replay is not None:
+        record = json.loads(replay.read_text())
+        scenario = Scenario.from_json(record["scenario"])
+        bug = (record.get("note") or "").removeprefix("injected bug: ") or None
+        pf, af = BUGS.get(bug, (None, None)) if bug else (None, None)
+        result = run_scenario(scenario, pinner_factory=pf, accessor_factory=af)
+        click.echo(json.dumps([v.to_json() for v in result.violations], indent=1))
+        sys.exit(1 if result.violations else 0)
+    if campaign_n is not None:
+        if campaign_n < 1:
+            raise click.BadParameter("must be >= 1", param_hint="--campaign")
+        sys.exit(_campaign(campaign_n, first_seed, out, inject_bug, as_json, max_reports))
+    chosen = [Policy(p) for p in policies] if policies else list(Policy)
+    stalled: tuple[float, float] | None = None
+    if stall.lower() not in ("none", "off", ""):
+        try:
+            s_start, s_len = (float(x) for x in stall.split(","))
+        except ValueError:
+            raise click.BadParameter(f"expected START,LENGTH, got {stall!r}", param_hint="--stall") from None
+        stalled = (s_start, s_len)
+    scenario = default_scenario(
+        seed, duration=duration, rate=rate, crash_at=crash_at if crash_at >= 0 else None, burst=_parse_burst(burst),
+        stall=stalled,
+    )
+    started = time.perf_counter()
+    results = _run_policies(scenario, chosen)
+    elapsed = time.perf_counter() - started
+    if as_json:
+        click.echo(json.dumps({"scenario": scenario.to_json(), "results": [r.summary() for r in results]}, indent=1))
+    elif markdown:
+        click.echo(markdown_table(results))
+    else:
+        events = sum(r.events for r in results)
+        _table(results, f"seed {seed}: {duration:.0f} s simulated, {events:,} events in {elapsed:.1f} s")
+    if plot_dir is not None:
+        rates = [float(x) for x in sweep.split(",") if x.strip()]
+        for path in _plots(plot_dir, results, seed, rates):
+            click.echo(f"wrote {path}", err=as_json)
+    if any(r.violations for r in results if r.policy == Policy.KVLEASE.value):
+        sys.exit(1)
