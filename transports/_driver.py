@@ -30,9 +30,14 @@ declared dead: `Accessor.disconnect` reports its remaining leases lost, the tran
 back. Transfers that overrun ``transfer_timeout`` are cancelled and reported `TransferFailed`,
 so an access to a dead pinner can never hang the engine.
 
-The access-done message is sent by the driver through `Transport.send` right after the
-transport reports the transfer complete (the data has landed), with the flag the core chose at
-that moment; no notification is attached to the transfer itself.
+The access-done rides on the transfer: the driver passes the core's
+`AccessDecision.notification`, encoded, as the transfer's notification to every pinner rank the
+decision targets (NIXL: the notification of the prepped READ/WRITE, delivered only after the
+data landed; ZMQ: the next frame in the same ordered stream, after the data landed), and then
+calls `Accessor.access_finished(..., notified=True)`, which sends a separate access-done only
+when a confirmation is still needed that the attached one did not ask for. Completed transfers
+are handled *before* the inbound frames of the same step, so the pinner's answer to an attached
+notification (an `AccessDoneAck`) always finds the access finished.
 """
 
 from __future__ import annotations
@@ -40,20 +45,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import assert_never
 
 import attrs
 
 from kvlease import (
-    PROTOCOL_VERSION,
     AccessCompleted,
     AccessDecision,
     AccessDone,
     AccessDoneAck,
     Accessor,
     AccessStale,
-    Capability,
     DecodeError,
     EndReason,
     Free,
@@ -241,11 +244,7 @@ class Driver:
         if accessor.is_connected(engine_id):
             return
         now = self.now()
-        hs = Handshake(
-            accessor.engine_id, accessor.rank, accessor.ranks, PROTOCOL_VERSION,
-            int(Capability.HEARTBEAT_ACK | Capability.PUSH | Capability.CONFIRM_ACCESS), now,
-        )
-        self._request_handshake(now, engine_id, hs)
+        self._dispatch(now, (accessor.handshake(now, engine_id),))
 
     def track(self, key: str, ticket: LeaseTicket, *, address: str | None = None, push: bool = False) -> None:
         """Start heartbeating for a request the moment it enters the scheduler. `address` is
@@ -265,38 +264,61 @@ class Driver:
         self._track_engine.pop(key, None)
         self._dispatch(now, accessor.untrack(now, key))
 
-    def read(self, key: str, region: str, into: object, *, rank: int = 0) -> AccessDecision:
-        """Pull: READ the pinner's `region` (worker `rank`) into `into`, if the core allows."""
-        return self.read_parts(key, [(rank, region, into)])
+    def read(self, key: str, region: str, into: object | Mapping[int, object]) -> AccessDecision:
+        """Pull: READ the pinner's `region` into `into`, if the core allows, from every pinner
+        rank the core targets. `into` is one buffer (one target rank: equal TP, or accessor TP
+        larger than the pinner's) or a mapping of pinner rank to buffer (pinner TP larger: one
+        READ per pinner worker). The access-done rides on each READ."""
+        return self._access(key, region, into, write=False)
 
-    def write(self, key: str, region: str, src: object, *, rank: int = 0) -> AccessDecision:
-        """Push: WRITE `src` into the pinner's `region` (worker `rank`), if the core allows."""
-        return self._access(key, [(rank, region, src)], write=True)
+    def write(self, key: str, region: str, src: object | Mapping[int, object]) -> AccessDecision:
+        """Push: WRITE `src` into the pinner's `region` on every target rank (a mapping of
+        pinner rank to buffer when there are several), if the core allows."""
+        return self._access(key, region, src, write=True)
 
     def read_parts(self, key: str, parts: Sequence[tuple[int, str, object]]) -> AccessDecision:
-        """One access made of several READs (heterogeneous TP: one per pinner worker)."""
-        return self._access(key, parts, write=False)
+        """One access made of several READs, `(pinner rank, region, buffer)` each; the ranks
+        must be exactly the ones the core targets (`AccessDecision.targets`)."""
+        return self._access(key, "", {rank: (region, buf) for rank, region, buf in parts}, write=False, parts=True)
 
-    def _access(self, key: str, parts: Sequence[tuple[int, str, object]], *, write: bool) -> AccessDecision:
+    def _access(
+        self, key: str, region: str, bufs: object, *, write: bool, parts: bool = False
+    ) -> AccessDecision:
         accessor = self._need_accessor()
         if key in self._accesses:
             return AccessDecision(False, False, None, "an access is already in flight")
         engine_id = self._track_engine.get(key)
-        if engine_id is not None and not accessor.is_connected(engine_id):
-            # The transport learns where the pinner's workers are from the handshake.
-            return AccessDecision(False, False, None, "handshake with the pinner engine is pending")
         now = self.now()
         decision = accessor.begin_access(now, key)
         if not decision.allowed or engine_id is None:
             return decision
+        # Which buffer goes to which pinner rank: checked before anything starts, so a
+        # caller's mistake leaves the lease as it was (misuse raises, as in the core).
+        plan: list[tuple[int, str, object]] = []
+        if isinstance(bufs, Mapping):
+            if set(bufs) != set(decision.targets):
+                accessor.access_failed(now, key)
+                raise ValueError(
+                    f"buffers given for pinner ranks {sorted(bufs)}, the access targets {list(decision.targets)}"
+                )
+            for r in decision.targets:
+                item = bufs[r]
+                plan.append((r, *item) if parts else (r, region, item))
+        elif len(decision.targets) == 1:
+            plan.append((decision.targets[0], region, bufs))
+        else:
+            accessor.access_failed(now, key)
+            raise ValueError(f"the access targets pinner ranks {list(decision.targets)}: pass one buffer per rank")
+        assert decision.notification is not None
+        notif = encode(decision.notification)
         acc = _Access(key, engine_id, set(), now)
         self._accesses[key] = acc
-        for rank, region, buf in parts:
+        for rank, reg, buf in plan:
             try:
                 if write:
-                    h = self.transport.start_write(engine_id, rank, region, buf, None)
+                    h = self.transport.start_write(engine_id, rank, reg, buf, notif)
                 else:
-                    h = self.transport.start_read(engine_id, rank, region, buf, None)
+                    h = self.transport.start_read(engine_id, rank, reg, buf, notif)
             except PeerUnreachable as exc:
                 self._suspect(now, exc.engine_id, exc.rank, exc.reason)
                 acc.failed = exc.reason
@@ -330,9 +352,11 @@ class Driver:
                     self._suspect(now, hev.engine_id, 0, f"handshake failed: {hev.reason}")
                 case _:
                     assert_never(hev)
+        # Transfers first: every access whose attached access-done has gone out is finished
+        # before the pinner's answer to it (in these frames or later) is handled.
+        self._poll_transfers(now)
         for inbound in inbound_frames:
             self._on_inbound(now, inbound)
-        self._poll_transfers(now)
         if self.pinner is not None:
             d = self.pinner.next_deadline()
             if d is not None and d <= now:
@@ -555,7 +579,7 @@ class Driver:
             self._dispatch(now, self.accessor.access_failed(now, acc.key))
             self._pending.append(TransferFailed(acc.key, acc.failed))
         else:
-            self._dispatch(now, self.accessor.access_finished(now, acc.key))
+            self._dispatch(now, self.accessor.access_finished(now, acc.key, notified=True))
 
     # -- liveness ---------------------------------------------------------------------------
 

@@ -1,15 +1,19 @@
 """`kvlease demo`: a pinner (P) and an accessor (D) as two real OS processes on loopback.
 
 This module owns the command's options and their validation, the orchestration of the two
-child processes per scenario (spawn, watch, SIGKILL D in the crash scenario, and always kill
-and reap them in ``finally``, on Ctrl-C and on SIGTERM too), the rich live view, the summary
-table, ``--json`` output and ``--metrics-port``. The process bodies are in `_demo_proc`, the
-wire in `_demo_link` / `_demo_nixl`, the scenarios and their bounds in `_demo_scenarios`.
-It never decides anything about a lease: the core in each child does.
+child processes per scenario (spawn, watch, play the router between them: grant once D is
+connected, forward each lease ticket to D, tell P when D is gone; SIGKILL D in the crash
+scenario, and always kill and reap them in ``finally``, on Ctrl-C and on SIGTERM too), the rich
+live view, the summary table, ``--json`` output and ``--metrics-port`` (the children's driver
+`TransportStats`, exported through `kvlease.transports.metrics`). The process bodies (a
+`kvlease.transports.Driver` over the real ZMQ or NIXL transport each) are in `_demo_proc`, the
+scenarios and their bounds in `_demo_scenarios`. It never decides anything about a lease: the
+core in each child does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,7 +50,7 @@ class _Child:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvlease.cli._demo_proc", role, json.dumps(spec)],
             stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             env=env,
             text=True,
         )
@@ -64,10 +68,23 @@ class _Child:
         self.exited.set()
         events.put((self.role, {"ev": "eof", "t": time.monotonic()}))
 
+    def send(self, cmd: dict[str, Any]) -> None:
+        """One command line on the child's stdin (lost if the child is gone)."""
+        if self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
         self._thread.join(timeout=2.0)
 
 
@@ -200,11 +217,21 @@ def _run_scenario(
                     env,
                 )
                 children.append(accessor)
+            elif kind == "connected" and role == "accessor":
+                pinner.send({"op": "grant"})  # D is connected: requests arrive
+            elif kind == "grant" and role == "pinner" and accessor is not None:
+                # The router carries the ticket to D with the request (kv_transfer_params).
+                accessor.send({
+                    "op": "track", "key": ev["key"], "ticket": ev["ticket"], "slot": ev["slot"],
+                    "seed": ev["seed"], "address": ev["address"],
+                })
             elif kind == "eof":
                 exited.add(role)
                 if role == "pinner" and accessor is None:
                     run.errors.append("the pinner process exited before it was ready")
                     break
+                if role == "accessor":
+                    pinner.send({"op": "bye"})  # D is gone: P exits once its leases ended
             elif kind == "stats" and metrics is not None:
                 metrics.update(role, ev["stats"])
             elif kind == "rtt" and metrics is not None:

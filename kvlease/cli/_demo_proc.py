@@ -1,70 +1,83 @@
 """The bodies of the demo's two OS processes: the pinner (P) and the accessor (D).
 
-Run as ``python -m kvlease.cli._demo_proc ROLE SPEC_JSON``. Each process is a thin driver: it
-reads its own monotonic clock shifted by a random epoch (so clocks of P and D disagree by
-hours, as unrelated hosts' monotonic clocks do), feeds the core, dispatches its outputs over a
-link (`_demo_link`), and re-arms one timer. The scenario script (when to read, when the
-partition starts) is the only extra logic. Every lease transition is reported to the parent as
-one JSON line on stdout, stamped with the *raw* system-wide monotonic clock, which the parent
-uses only to measure, never to decide.
+Run as ``python -m kvlease.cli._demo_proc ROLE SPEC_JSON``. Each process is an engine worker in
+miniature: a `kvlease.transports.Driver` over a real transport (`ZmqTransport` by default,
+`NixlTransport` with ``--transport nixl``: registered tensors, real NIXL READs) stepped from a
+loop as an engine's forward loop would, so the demo runs exactly the code an engine would. The
+driver's clock is the process's monotonic clock shifted by a random epoch (so P's and D's
+clocks disagree by hours, as unrelated hosts' monotonic clocks do).
 
-Protocol logic here would be a bug: the core decides what is valid, what to free and when.
+The parent plays the router: it tells P when to grant (``{"op": "grant"}`` on stdin, once D is
+connected), forwards each lease ticket to D (``{"op": "track", ...}``: what vLLM carries in
+``kv_transfer_params``) and tells P when D is gone (``{"op": "bye"}``). Every lease transition
+is reported to the parent as one JSON line on stdout, stamped with the *raw* system-wide
+monotonic clock, which the parent uses only to measure, never to decide.
+
+Beyond the driver, this module holds only the scenario script (when D reads, when the partition
+starts) and the engine's memory (a pool of request slots that a freed slot is at once reused
+from). The partition is simulated in D by `PartitionedTransport`, a wrapper that drops control
+frames both ways; it also carries the partition scenario's *baseline* read (the same READ
+without the lease check) past the driver. Protocol logic here would be a bug: the core decides
+what is valid, what to free and when.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import queue
 import random
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from kvlease import (
     AccessCompleted,
     Accessor,
     AccessStale,
-    DecodeError,
-    EndReason,
     Free,
-    Handshake,
-    HandshakeNeeded,
-    Heartbeat,
-    HeartbeatAck,
     LeaseConfig,
     LeaseKind,
     LeaseLost,
     LeaseTicket,
-    LocalTime,
     Pinner,
     Rejected,
-    Send,
-    decode,
-    encode,
 )
 
-from ..transports._stats import TransportStats  # type: ignore[import-not-found,unused-ignore]
-from ._demo_link import Frame
+from ..transports import (  # type: ignore[import-not-found,unused-ignore]
+    Driver,
+    HandshakeEvent,
+    Inbound,
+    PeerDead,
+    PeerSuspect,
+    TransferFailed,
+    TransferResult,
+    Transport,
+)
 
 log = logging.getLogger("kvlease.demo")
 
-_FREE_COUNTER = {
-    EndReason.ACCESS_DONE: "leases_completed",
-    EndReason.RELEASED: "leases_released",
-    EndReason.EXPIRED: "leases_expired",
-}
+PINNER, ACCESSOR = "prefill-0", "decode-0"
 
 #: A block that a later request reused: what a late READ of a freed block would return.
 REUSED = 0xEE
+
+#: After D's last verdict it keeps stepping this long so its last access-done reaches P.
+_LINGER = 0.3
 
 
 def block_pattern(seed: int, block: int, size: int) -> bytes:
     """The KV content request `seed` writes into `block` (distinct per request and block)."""
     b = (seed * 131 + block * 7 + 1) % 251
     return bytes([b]) * size
+
+
+def slot_pattern(seed: int, slot: int, blocks_per: int, block_size: int) -> bytes:
+    return b"".join(block_pattern(seed, slot * blocks_per + j, block_size) for j in range(blocks_per))
 
 
 class Reporter:
@@ -89,168 +102,322 @@ def _die_with_parent() -> None:
         pass
 
 
+# -- memory -----------------------------------------------------------------------------------
+
+
+class Pool:
+    """The engine's KV memory: one buffer per request slot (bytearrays for ZMQ, torch tensors
+    for NIXL), registered once as regions ``slot-N``, reused across requests."""
+
+    def __init__(self, transport: str, slots: int, slot_bytes: int) -> None:
+        self.torch = transport == "nixl"
+        self.slot_bytes = slot_bytes
+        self.slots = [self.new(0) for _ in range(slots)]
+
+    def new(self, fill: int) -> Any:
+        if self.torch:
+            import torch
+
+            return torch.full((self.slot_bytes,), fill, dtype=torch.uint8)
+        return bytearray([fill]) * self.slot_bytes
+
+    def fill(self, slot: int, data: bytes) -> None:
+        self.put(self.slots[slot], data)
+
+    def put(self, buf: Any, data: bytes) -> None:
+        if self.torch:
+            import torch
+
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        else:
+            buf[:] = data
+
+    def contents(self, buf: Any) -> bytes:
+        return bytes(buf.numpy().tobytes()) if self.torch else bytes(buf)
+
+
+def make_transport(kind: str, engine_id: str) -> Transport:
+    if kind == "nixl":
+        from ..transports.nixl import NixlTransport  # type: ignore[import-not-found,unused-ignore]
+
+        return NixlTransport(engine_id, 0)  # type: ignore[no-any-return,unused-ignore]
+    from ..transports.zmq_transport import ZmqTransport  # type: ignore[import-not-found,unused-ignore]
+
+    return ZmqTransport(engine_id, 0, bind="tcp://127.0.0.1:0")  # type: ignore[no-any-return,unused-ignore]
+
+
+class PartitionedTransport:
+    """A `Transport` wrapper for the partition scenario: while `partitioned`, control frames
+    are dropped in both directions (as a cut link would lose them), silently. It also lets the
+    demo start a *baseline* READ that bypasses the driver (no lease check, no notification):
+    its completion is kept here instead of reaching the driver. Everything else passes through.
+    """
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.partitioned = False
+        self.dropped = 0
+        self._raw: set[int] = set()
+        self.raw_done: list[TransferResult] = []
+
+    @property
+    def engine_id(self) -> str:
+        return str(self.inner.engine_id)
+
+    @property
+    def rank(self) -> int:
+        return int(self.inner.rank)
+
+    @property
+    def address(self) -> str:
+        return str(self.inner.address)
+
+    def send(self, engine_id: str, rank: int | None, data: bytes) -> None:
+        if self.partitioned:
+            self.dropped += 1
+            return
+        self.inner.send(engine_id, rank, data)
+
+    def receive(self) -> list[Inbound]:
+        frames = list(self.inner.receive())
+        if self.partitioned and frames:
+            self.dropped += len(frames)
+            return []
+        return frames
+
+    def progress(self) -> None:
+        self.inner.progress()
+
+    def request_handshake(self, engine_id: str, address: str, data: bytes) -> None:
+        self.inner.request_handshake(engine_id, address, data)
+
+    def poll_handshakes(self) -> list[HandshakeEvent]:
+        return list(self.inner.poll_handshakes())
+
+    def answer_handshake(self, token: int, data: bytes) -> None:
+        self.inner.answer_handshake(token, data)
+
+    def register(self, region: str, buffer: object) -> int:
+        return int(self.inner.register(region, buffer))
+
+    def unregister(self, region: str) -> None:
+        self.inner.unregister(region)
+
+    def start_read(self, engine_id: str, rank: int, region: str, into: object, notif: bytes | None) -> int:
+        return int(self.inner.start_read(engine_id, rank, region, into, notif))
+
+    def start_write(self, engine_id: str, rank: int, region: str, src: object, notif: bytes | None) -> int:
+        return int(self.inner.start_write(engine_id, rank, region, src, notif))
+
+    def start_baseline_read(self, engine_id: str, region: str, into: object) -> int:
+        h = int(self.inner.start_read(engine_id, 0, region, into, None))
+        self._raw.add(h)
+        return h
+
+    def poll_transfers(self) -> list[TransferResult]:
+        out = []
+        for res in self.inner.poll_transfers():
+            if res.handle in self._raw:
+                self._raw.discard(res.handle)
+                self.raw_done.append(res)
+            else:
+                out.append(res)
+        return out
+
+    def cancel_transfer(self, handle: int) -> None:
+        self.inner.cancel_transfer(handle)
+
+    def forget_peer(self, engine_id: str) -> None:
+        self.inner.forget_peer(engine_id)
+
+    def wait(self, timeout: float) -> None:
+        self.inner.wait(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# -- the processes ----------------------------------------------------------------------------
+
+
 class Node:
-    """What both drivers share: the clock, the stats counters, the loop."""
+    """What both processes share: the driver, the parent's commands, the loop."""
 
     def __init__(self, spec: dict[str, Any], report: Reporter) -> None:
         self.spec = spec
         self.report = report
         self.epoch = float(spec["epoch"])
         self.config = LeaseConfig(**spec["config"])
+        self.tick = float(spec["tick"])
+        self.block_size = int(spec["block_size"])
+        self.blocks_per = int(spec["blocks_per_request"])
+        self.slot_bytes = self.block_size * self.blocks_per
         self.done = False
-        self.stats = TransportStats()
-        self.partition_drops = 0
+        self.commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._next_stats = 0.0
+        self.driver: Driver
 
-    def now(self) -> LocalTime:
-        return LocalTime(time.monotonic() + self.epoch)
+    def clock(self) -> float:
+        return time.monotonic() + self.epoch
 
-    def count(self, name: str, by: int = 1) -> None:
-        setattr(self.stats, name, getattr(self.stats, name) + by)
+    def read_stdin(self) -> None:
+        for line in sys.stdin:
+            with contextlib.suppress(ValueError):
+                self.commands.put(json.loads(line))
+        self.commands.put(None)
 
-    def report_stats(self) -> None:
-        snap = self.stats.snapshot()
+    def report_stats(self, extra: dict[str, Any] | None = None) -> None:
+        snap = self.driver.stats.snapshot()
         for k in [k for k in snap if k.startswith("heartbeat_rtt")]:
             del snap[k]
-        self.report("stats", role=self.spec["role"], stats=snap, partition_drops=self.partition_drops)
+        self.report("stats", role=self.spec["role"], stats=snap, **(extra or {}))
 
-    def step(self, now: LocalTime) -> float | None:  # pragma: no cover - overridden
+    def command(self, cmd: dict[str, Any]) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def run(self, link: Any) -> None:
-        tick = float(self.spec["tick"])
-        while not self.done:
-            now = self.now()
-            for frame in link.recv():
-                self.on_frame(self.now(), frame)
-            wake = self.step(self.now())
-            now = self.now()
-            if now >= self._next_stats:
-                self._next_stats = now + 0.1
-                self.report_stats()
-            timeout = tick if wake is None else min(max(wake - now, 0.0), tick)
-            link.wait(timeout)
-        self.report_stats()
-
-    def on_frame(self, now: LocalTime, frame: Frame) -> None:  # pragma: no cover - overridden
+    def on_event(self, ev: Any) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def after_step(self, now: float) -> float | None:
+        """Scenario work after the driver's step; returns when to wake for it (or None)."""
+        return None
+
+    def stats_extra(self) -> dict[str, Any]:
+        return {}
+
+    def run(self) -> None:
+        threading.Thread(target=self.read_stdin, daemon=True).start()
+        linger_until: float | None = None
+        while True:
+            while True:
+                try:
+                    cmd = self.commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd is None:
+                    self.done = True  # the parent is gone
+                    linger_until = 0.0
+                    break
+                self.command(cmd)
+            for ev in self.driver.step():
+                self.on_event(ev)
+            now = self.driver.now()
+            wake = self.after_step(now)
+            if time.monotonic() >= self._next_stats:
+                self._next_stats = time.monotonic() + 0.1
+                self.report_stats(self.stats_extra())
+            if self.done:
+                # Keep stepping a moment, so what the last step sent (an access-done riding
+                # on the last READ) leaves before the sockets close.
+                if linger_until is None:
+                    linger_until = time.monotonic() + _LINGER
+                if time.monotonic() >= linger_until:
+                    break
+            timeout = self.tick
+            for d in (wake, self.driver.next_deadline()):
+                if d is not None:
+                    timeout = min(timeout, max(d - self.driver.now(), 0.0))
+            self.driver.transport.wait(timeout)
+        self.report_stats(self.stats_extra())
 
 
 class PinnerNode(Node):
-    def __init__(self, spec: dict[str, Any], report: Reporter, link: Any) -> None:
+    def __init__(self, spec: dict[str, Any], report: Reporter) -> None:
         super().__init__(spec, report)
-        self.link = link
-        self.pinner = Pinner(self.config, "prefill-0", random.getrandbits(64))
-        self.block_size = int(spec["block_size"])
-        self.blocks_per = int(spec["blocks_per_request"])
-        self.free_blocks = list(range(int(spec["pool_blocks"])))
-        self.owned: dict[str, list[int]] = {}
+        transport = make_transport(spec["transport"], PINNER)
+        self.driver = Driver(
+            transport, pinner=Pinner(self.config, PINNER, random.getrandbits(63)), clock=self.clock
+        )
+        self.pool = Pool(spec["transport"], int(spec["requests"]), self.slot_bytes)
+        for slot, buf in enumerate(self.pool.slots):
+            transport.register(f"slot-{slot}", buf)
+        self.free_slots = list(range(int(spec["requests"])))
+        self.owned: dict[str, int] = {}  # key -> slot
         self.granted = False
         self.accessor_left = False
-        self.last_heard = float("-inf")
+        self._hb_seen = 0
 
-    def on_frame(self, now: LocalTime, frame: Frame) -> None:
-        kind, payload = frame
-        self.last_heard = now
-        if kind == "msg":
-            try:
-                msg = decode(payload)
-            except DecodeError as exc:
-                self.count("malformed_messages")
-                log.warning("malformed message from accessor: %s", exc)
-                return
-            if isinstance(msg, Handshake):
-                self.count("handshakes_answered")
-            if isinstance(msg, Heartbeat):
-                self.count("heartbeats_received")
-                self.report("heartbeat", ids=len(msg.lease_ids))
-            self.dispatch(self.pinner.receive(now, msg))
-        elif kind == "ctl" and payload.get("hello") and not self.granted:
+    def command(self, cmd: dict[str, Any]) -> None:
+        if cmd.get("op") == "grant" and not self.granted:
             self.granted = True
-            self.grant_all(now)
-        elif kind == "ctl" and payload.get("bye"):
+            self.grant_all()
+        elif cmd.get("op") == "bye":
             self.accessor_left = True
-        elif kind == "read":
-            self.link.serve_read(payload["key"], payload["blocks"])
 
-    def grant_all(self, now: LocalTime) -> None:
+    def grant_all(self) -> None:
         fixed = self.spec["scenario"] == "bidirectional"
+        pinner = self.driver.pinner
+        assert pinner is not None
         for i in range(int(self.spec["requests"])):
             key = f"req-{i}"
-            blocks = sorted(self.free_blocks.pop() for _ in range(self.blocks_per))
+            slot = self.free_slots.pop()
             seed = random.getrandbits(16)
-            for b in blocks:  # the prefill writes this request's KV
-                self.link.pool_write(b, block_pattern(seed, b, self.block_size))
+            # The prefill writes this request's KV into the slot.
+            self.pool.fill(slot, slot_pattern(seed, slot, self.blocks_per, self.block_size))
             if fixed:
-                ticket = self.pinner.grant(now, key, kind=LeaseKind.FIXED_TTL, ttl=self.config.kv_lease_duration)
+                ticket = self.driver.grant(
+                    key, nbytes=self.slot_bytes, kind=LeaseKind.FIXED_TTL, ttl=self.config.kv_lease_duration
+                )
             else:
-                ticket = self.pinner.grant(now, key)
-            self.owned[key] = blocks
-            self.count("leases_granted")
-            self.count("bytes_pinned", len(blocks) * self.block_size)
-            info = self.pinner.info(ticket.lease_id)
+                ticket = self.driver.grant(key, nbytes=self.slot_bytes)
+            self.owned[key] = slot
+            info = pinner.info(ticket.lease_id)
             assert info is not None
-            expiry_real = info.expiry - self.epoch
             log.debug("lease granted key=%s lease_id=%d expiry=%.3f", key, ticket.lease_id, info.expiry)
-            self.report("grant", key=key, lease_id=ticket.lease_id, blocks=len(blocks), expiry_real=expiry_real)
-            self.link.send_ctl({"key": key, "ticket": ticket.to_dict(), "blocks": blocks, "seed": seed})
+            self.report(
+                "grant", key=key, lease_id=ticket.lease_id, blocks=self.blocks_per,
+                expiry_real=info.expiry - self.epoch, ticket=ticket.to_dict(), slot=slot, seed=seed,
+                address=self.driver.transport.address,
+            )
 
-    def dispatch(self, outputs: tuple[Any, ...]) -> None:
-        for out in outputs:
-            match out:
-                case Send():
-                    data = encode(out.message)
-                    if isinstance(out.message, HeartbeatAck):
-                        m = out.message
-                        self.count("leases_renewed", m.renewed)
-                        self.count(
-                            "heartbeats_rejected", len(m.unknown) + len(m.expired) + len(m.released) + len(m.completed)
-                        )
-                    self.link.send_msg(data)
-                case Free():
-                    blocks = self.owned.pop(out.key)
-                    # Another request's prefill takes the blocks at once: a late READ of them
-                    # now returns someone else's KV.
-                    for b in blocks:
-                        self.link.pool_write(b, bytes([REUSED]) * self.block_size)
-                    self.free_blocks.extend(blocks)
-                    self.count("bytes_pinned", -len(blocks) * self.block_size)
-                    self.count(_FREE_COUNTER[out.reason])
-                    level = logging.WARNING if out.reason.value == "expired" else logging.DEBUG
-                    log.log(level, "lease freed key=%s lease_id=%d reason=%s", out.key, out.lease_id, out.reason.value)
-                    self.report("free", key=out.key, lease_id=out.lease_id, reason=out.reason.value, blocks=len(blocks))
-                case Rejected():
-                    self.count("rejected_messages")
-                    log.warning("rejected message from %s: %s", out.engine_id, out.reason)
-                    self.report("rejected", reason=out.reason)
-                case _:
-                    raise AssertionError(f"unexpected pinner output {out!r}")
+    def on_event(self, ev: Any) -> None:
+        match ev:
+            case Free():
+                slot = self.owned.pop(ev.key)
+                # Another request's prefill takes the slot at once: a late READ of it now
+                # returns someone else's KV.
+                self.pool.fill(slot, bytes([REUSED]) * self.slot_bytes)
+                self.free_slots.append(slot)
+                level = logging.WARNING if ev.reason.value == "expired" else logging.DEBUG
+                log.log(level, "lease freed key=%s lease_id=%d reason=%s", ev.key, ev.lease_id, ev.reason.value)
+                self.report("free", key=ev.key, lease_id=ev.lease_id, reason=ev.reason.value, blocks=self.blocks_per)
+            case Rejected():
+                log.warning("rejected message from %s: %s", ev.engine_id, ev.reason)
+                self.report("rejected", reason=ev.reason)
+            case _:
+                log.debug("driver event %r", ev)
 
-    def step(self, now: LocalTime) -> float | None:
-        self.dispatch(self.pinner.handle_timeout(now))
-        if self.granted and not self.owned:
-            # Every lease ended. Keep serving until the accessor says it is done (its late
-            # reads still hit the reused blocks, as RDMA would), or, in the crash scenario,
-            # once it has been silent for a while.
-            quiet = now - self.last_heard > 2 * self.config.heartbeat_interval + 1.0
-            if self.accessor_left or (quiet and self.spec["scenario"] == "crash"):
-                self.done = True
-        nd = self.pinner.next_deadline()
-        return None if nd is None else nd
+    def after_step(self, now: float) -> float | None:
+        n = self.driver.stats.heartbeats_received
+        for _ in range(n - self._hb_seen):
+            self.report("heartbeat")
+        self._hb_seen = n
+        # Every lease ended and D is gone (its late reads, if any, hit the reused slots).
+        if self.granted and not self.owned and self.accessor_left:
+            self.done = True
+        return None
 
 
 class AccessorNode(Node):
-    def __init__(self, spec: dict[str, Any], report: Reporter, link: Any) -> None:
+    def __init__(self, spec: dict[str, Any], report: Reporter) -> None:
         super().__init__(spec, report)
-        self.link = link
-        self.accessor = Accessor(self.config, "decode-0")
-        self.block_size = int(spec["block_size"])
-        self.requests: dict[str, dict[str, Any]] = {}  # key -> {blocks, seed, read_at, state}
-        self.read_starts: dict[str, float] = {}
+        self.wire = PartitionedTransport(make_transport(spec["transport"], ACCESSOR))
+        # The engine TTL only tears a silent peer down (a hint); keep it past the partition,
+        # so this scenario shows the lease expiring, not the peer being forgotten.
+        self.driver = Driver(
+            self.wire,
+            accessor=Accessor(self.config, ACCESSOR),
+            clock=self.clock,
+            engine_ttl=4 * self.config.kv_lease_duration + float(spec.get("partition_end", 0.0)),
+        )
+        self.pool = Pool(spec["transport"], 0, self.slot_bytes)
+        self.requests: dict[str, dict[str, Any]] = {}
         self.resolved = 0
-        self.partitioned = False
         self.t0: float | None = None
-        self.hb_sent: dict[int, float] = {}  # seq -> local send time, for the RTT figure
+        self.connected = False
+        self._rtt_seen = 0
+        self._baseline: dict[int, str] = {}  # baseline READ handle -> key
+        self.driver.connect(PINNER, spec["endpoint"])
 
     # The scenario script: when each request's READ is attempted, relative to its arrival.
     def read_delay(self, i: int) -> float:
@@ -268,175 +435,138 @@ class AccessorNode(Node):
             return cfg.kv_lease_duration * 0.3 + 0.01 * i if early else cfg.kv_lease_duration + 0.3 + 0.01 * i
         raise ValueError(sc)
 
-    def send(self, data: bytes) -> None:
-        if self.partitioned:
-            self.partition_drops += 1
+    def stats_extra(self) -> dict[str, Any]:
+        return {"partition_drops": self.wire.dropped}
+
+    def command(self, cmd: dict[str, Any]) -> None:
+        if cmd.get("op") != "track":
             return
-        self.link.send_msg(data)
+        key = cmd["key"]
+        ticket = LeaseTicket.from_dict(cmd["ticket"])
+        now = self.driver.now()
+        if self.t0 is None:
+            self.t0 = now
+        self.requests[key] = {
+            "slot": cmd["slot"],
+            "seed": cmd["seed"],
+            "read_at": now + self.read_delay(len(self.requests)),
+            "state": "waiting",
+        }
+        self.report("track", key=key, lease_id=ticket.lease_id)
+        self.driver.track(key, ticket, address=cmd.get("address"))
 
-    def on_frame(self, now: LocalTime, frame: Frame) -> None:
-        kind, payload = frame
-        if kind == "msg":
-            if self.partitioned:
-                self.partition_drops += 1
-                return
-            try:
-                msg = decode(payload)
-            except DecodeError as exc:
-                self.count("malformed_messages")
-                log.warning("malformed message from pinner: %s", exc)
-                return
-            if isinstance(msg, HeartbeatAck):
-                self.count("heartbeat_acks_received")
-                sent = self.hb_sent.pop(msg.seq, None)
-                if sent is not None:
-                    self.report("rtt", seconds=now - sent)
-            self.dispatch(now, self.accessor.receive(now, msg))
-        elif kind == "ctl" and "ticket" in payload:
-            key = payload["key"]
-            ticket = LeaseTicket.from_dict(payload["ticket"])
-            i = len(self.requests)
-            self.requests[key] = {
-                "blocks": payload["blocks"],
-                "seed": payload["seed"],
-                "read_at": now + self.read_delay(i),
-                "state": "waiting",
-                "ticket": ticket,
-            }
-            if self.t0 is None:
-                self.t0 = now
-            self.report("track", key=key, lease_id=ticket.lease_id)
-            log.debug("lease tracked key=%s lease_id=%d", key, ticket.lease_id)
-            self.dispatch(now, self.accessor.track(now, key, ticket))
-        elif kind == "data":
-            key, data = payload
-            self.count("transfers_ok")
-            self.count("bytes_transferred", len(data))
-            self.finish_read(now, key, data)
-
-    def finish_read(self, now: LocalTime, key: str, data: bytes) -> None:
+    def content_ok(self, key: str) -> bool:
         req = self.requests[key]
-        expect = b"".join(block_pattern(req["seed"], b, self.block_size) for b in req["blocks"])
-        content_ok = data == expect
-        req["content_ok"] = content_ok
-        if req["state"] == "baseline_read":
-            # The read vLLM would have done without a lease check: is the KV still ours?
-            req["state"] = "resolved"
-            self.report("baseline_read", key=key, content_ok=content_ok)
-            self.resolve(key)
-            return
-        self.dispatch(now, self.accessor.access_finished(now, key))
+        buf = req.get("buf")
+        expect = slot_pattern(req["seed"], req["slot"], self.blocks_per, self.block_size)
+        return buf is not None and self.pool.contents(buf) == expect
 
-    def dispatch(self, now: LocalTime, outputs: tuple[Any, ...]) -> None:
-        for out in outputs:
-            match out:
-                case Send():
-                    if isinstance(out.message, Heartbeat):
-                        self.count("heartbeats_sent")
-                        if not self.partitioned:
-                            self.hb_sent[out.message.seq] = now
-                    self.send(encode(out.message))
-                case HandshakeNeeded():
-                    # The demo's side channel is the link itself: the pinner answers a
-                    # Handshake message with its HandshakeReply.
-                    self.count("handshakes_sent")
-                    self.send(encode(out.message))
-                case AccessCompleted():
-                    req = self.requests[out.key]
-                    ok = bool(req.get("content_ok"))
-                    if not ok:
-                        log.warning("SAFETY: access of %s reported valid but its KV was overwritten", out.key)
-                    log.debug("access completed key=%s confirmed=%s", out.key, out.confirmed_by_pinner)
-                    req["state"] = "resolved"
-                    self.count("accesses_completed")
-                    self.report(
-                        "read",
-                        key=out.key,
-                        verdict="valid",
-                        content_ok=ok,
-                        started=self.read_starts.get(out.key),
-                        confirmed=out.confirmed_by_pinner,
-                    )
-                    self.resolve(out.key)
-                case AccessStale():
-                    req = self.requests[out.key]
-                    self.count("stale_reads_caught")
-                    log.warning("stale access caught key=%s: %s", out.key, out.reason)
-                    req["state"] = "resolved"
-                    self.report(
-                        "read", key=out.key, verdict="stale", content_ok=bool(req.get("content_ok")), reason=out.reason
-                    )
-                    self.resolve(out.key)
-                case LeaseLost():
-                    req = self.requests[out.key]
-                    self.count("leases_lost")
-                    log.warning("lease lost key=%s lease_id=%d reason=%s", out.key, out.lease_id, out.reason.value)
-                    self.report("lost", key=out.key, reason=out.reason.value, state=req["state"])
-                    if req["state"] == "waiting":
-                        req["state"] = "lost"  # its read will be refused when it comes due
-                case Rejected():
-                    self.count("rejected_messages")
-                    log.warning("rejected message from %s: %s", out.engine_id, out.reason)
-                case _:
-                    raise AssertionError(f"unexpected accessor output {out!r}")
+    def on_event(self, ev: Any) -> None:
+        match ev:
+            case AccessCompleted():
+                req = self.requests[ev.key]
+                ok = self.content_ok(ev.key)
+                if not ok:
+                    log.warning("SAFETY: access of %s reported valid but its KV was overwritten", ev.key)
+                req["state"] = "resolved"
+                self.report(
+                    "read", key=ev.key, verdict="valid", content_ok=ok, started=req.get("started"),
+                    confirmed=ev.confirmed_by_pinner,
+                )
+                self.resolve(ev.key)
+            case AccessStale():
+                req = self.requests[ev.key]
+                log.warning("stale access caught key=%s: %s", ev.key, ev.reason)
+                req["state"] = "resolved"
+                self.report("read", key=ev.key, verdict="stale", content_ok=self.content_ok(ev.key), reason=ev.reason)
+                self.resolve(ev.key)
+            case LeaseLost():
+                req = self.requests[ev.key]
+                log.warning("lease lost key=%s lease_id=%d reason=%s", ev.key, ev.lease_id, ev.reason.value)
+                self.report("lost", key=ev.key, reason=ev.reason.value, state=req["state"])
+                if req["state"] == "waiting":
+                    req["state"] = "lost"  # its read will be refused when it comes due
+            case TransferFailed():
+                # The READ itself failed (not a lease verdict): the engine would recompute.
+                req = self.requests[ev.key]
+                log.warning("read failed key=%s: %s", ev.key, ev.reason)
+                self.driver.untrack(ev.key)
+                req["state"] = "resolved"
+                self.report("read", key=ev.key, verdict="failed", content_ok=None, reason=ev.reason)
+                self.resolve(ev.key)
+            case Rejected() | PeerSuspect() | PeerDead():
+                log.warning("driver event %r", ev)
+            case _:
+                log.debug("driver event %r", ev)
 
     def resolve(self, key: str) -> None:
         self.resolved += 1
         if self.resolved >= int(self.spec["requests"]):
-            self.link.send_ctl({"bye": True})
             self.done = True
 
-    def step(self, now: LocalTime) -> float | None:
+    def after_step(self, now: float) -> float | None:
+        accessor = self.driver.accessor
+        assert accessor is not None
+        if not self.connected and accessor.is_connected(PINNER):
+            self.connected = True
+            self.report("connected")
+        samples = self.driver.stats.rtt_samples
+        for s in list(samples)[self._rtt_seen :]:
+            self.report("rtt", seconds=s)
+        self._rtt_seen = len(samples)
+        for res in self.wire.raw_done:
+            key = self._baseline.pop(res.handle)
+            ok = res.ok and self.content_ok(key)
+            self.requests[key]["state"] = "resolved"
+            self.report("baseline_read", key=key, content_ok=ok)
+            self.resolve(key)
+        self.wire.raw_done.clear()
         if self.t0 is None:
             return None
         sc = self.spec["scenario"]
+        wake: float | None = None
         if sc == "partition":
             start = self.t0 + float(self.spec["partition_start"])
             end = self.t0 + float(self.spec["partition_end"])
-            if not self.partitioned and start <= now < end:
-                self.partitioned = True
-                log.warning("partition: heartbeats stop reaching the pinner")
+            if not self.wire.partitioned and start <= now < end:
+                self.wire.partitioned = True
+                log.warning("partition: control frames between D and P are dropped")
                 self.report("partition", on=True)
-            elif self.partitioned and now >= end:
-                self.partitioned = False
+            elif self.wire.partitioned and now >= end:
+                self.wire.partitioned = False
                 self.report("partition", on=False)
-        self.dispatch(now, self.accessor.handle_timeout(now))
-        wake: float | None = None
+            wake = start if now < start else end if now < end else None
         for key, req in self.requests.items():
-            if req["state"] in ("waiting", "lost") and now >= req["read_at"]:
-                self.attempt_read(now, key, req)
-            elif req["state"] in ("waiting", "lost"):
-                wake = req["read_at"] if wake is None else min(wake, req["read_at"])
-        # Record what the accessor believes while nothing is in flight (safety is checked
-        # against the pinner's free times by the parent).
+            if req["state"] in ("waiting", "lost"):
+                if now >= req["read_at"]:
+                    self.attempt_read(key, req)
+                else:
+                    wake = req["read_at"] if wake is None else min(wake, req["read_at"])
+        # Record what the accessor believes (safety is checked against the pinner's free
+        # times by the parent).
         for key, req in self.requests.items():
-            vu = self.accessor.valid_until(key)
+            vu = accessor.valid_until(key)
             if vu is not None and vu - self.epoch > req.get("valid_until_real", float("-inf")):
                 req["valid_until_real"] = vu - self.epoch
                 self.report("valid_until", key=key, real=vu - self.epoch)
-        nd = self.accessor.next_deadline()
-        if nd is not None:
-            wake = nd if wake is None else min(wake, nd)
-        if sc == "partition":
-            wake = min(wake or now + 1.0, self.t0 + float(self.spec["partition_end"]))
         return wake
 
-    def attempt_read(self, now: LocalTime, key: str, req: dict[str, Any]) -> None:
-        decision = self.accessor.begin_access(now, key)
+    def attempt_read(self, key: str, req: dict[str, Any]) -> None:
+        req["buf"] = self.pool.new(0)
+        decision = self.driver.read(key, f"slot-{req['slot']}", req["buf"])
         if decision.allowed:
             req["state"] = "reading"
-            self.read_starts[key] = time.monotonic()
+            req["started"] = time.monotonic()
             self.report("read_start", key=key, guaranteed=decision.guaranteed)
-            self.link.start_read(key, req["blocks"])
             return
         # Refused: the lease is gone or cannot be proven live, so the engine would recompute.
-        self.count("stale_reads_caught")
         self.report("read", key=key, verdict="refused", content_ok=None, reason=decision.reason)
         log.warning("read refused key=%s: %s", key, decision.reason)
         if self.spec["scenario"] == "partition":
             # Show the baseline: the same READ without the lease check.
             req["state"] = "baseline_read"
-            self.link.start_read(key, req["blocks"])
+            h = self.wire.start_baseline_read(PINNER, f"slot-{req['slot']}", req["buf"])
+            self._baseline[h] = key
         else:
             req["state"] = "resolved"
             self.resolve(key)
@@ -452,38 +582,21 @@ def main(argv: list[str]) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     report = Reporter()
-    link: Any
-    transport = spec["transport"]
-    make_link: Callable[..., Any]
-    if transport == "zmq":
-        from ._demo_link import ZmqLink
-
-        make_link = ZmqLink
-    else:
-        from ._demo_nixl import NixlLink
-
-        make_link = NixlLink
-    link_args = {
-        "block_size": spec["block_size"],
-        "blocks": spec["pool_blocks"],
-        "blocks_per_request": spec["blocks_per_request"],
-        "epoch": spec["epoch"],
-    }
+    node: Node | None = None
     try:
         if role == "pinner":
-            link = make_link(bind=True, **link_args)
-            report("ready", endpoint=link.endpoint, pid=os.getpid())
-            node: Node = PinnerNode(spec, report, link)
+            node = PinnerNode(spec, report)
+            report("ready", endpoint=node.driver.transport.address, pid=os.getpid())
         else:
-            link = make_link(bind=False, endpoint=spec["endpoint"], **link_args)
+            node = AccessorNode(spec, report)
             report("ready", pid=os.getpid())
-            node = AccessorNode(spec, report, link)
-            link.send_ctl({"hello": True})
-        node.run(link)
+        node.run()
         report("exit")
-        link.close()
     except KeyboardInterrupt:
         return 130
+    finally:
+        if node is not None:
+            node.driver.close()
     return 0
 
 
