@@ -602,3 +602,79 @@ def test_fixed_ttl_lease_is_valid_from_the_handshake_and_lapses_at_the_deadline(
     assert info is not None and info.expiry == P_EPOCH + CFG.decoder_kv_blocks_ttl  # never extended
     out = [o for o in w.acc.handle_timeout(v) if not isinstance(o, Send)]
     assert out == [LeaseLost("f", tk.lease_id, LostReason.TTL_PASSED)]
+
+
+# -- remaining transitions ---------------------------------------------------------------------
+
+
+def test_untrack_after_the_lease_was_lost_mid_access_sends_nothing() -> None:
+    w = Wire()
+    tk = w.connect()
+    w.heartbeat()
+    w.acc.begin_access(_a(0.1), "k")
+    w.t = 0.1
+    ack = _ack_for(w, tk.lease_id, "expired")
+    w.acc.receive(_a(w.t), ack)
+    assert w.acc.state_of("k") is TrackedState.LOST
+    assert w.acc.disconnect(_a(w.t), PIN) == ()  # already lost: nothing more to report
+    assert w.acc.untrack(_a(w.t), "k") == ()
+
+
+def test_disconnect_while_confirming_is_stale() -> None:
+    w = Wire()
+    tk = w.connect()
+    w.acc.begin_access(_a(0), "k")
+    w.acc.access_finished(_a(0.1), "k")
+    (stale,) = w.acc.disconnect(_a(0.2), PIN)
+    assert isinstance(stale, AccessStale) and stale.lease_id == tk.lease_id and "unreachable" in stale.reason
+
+
+def test_fixed_ttl_access_inside_the_converted_deadline_completes() -> None:
+    w = Wire()
+    tk = w.connect("f", kind=LeaseKind.FIXED_TTL)
+    assert w.acc.begin_access(_a(1.0), "f").guaranteed
+    out = w.acc.access_finished(_a(1.5), "f")
+    assert out[-1] == AccessCompleted("f", tk.lease_id, confirmed_by_pinner=False)
+    est = w.acc.clock_estimator(PIN)
+    assert est is not None and est.sample_count >= 1
+    assert w.acc.clock_estimator("nobody") is None
+
+
+def test_proactive_handshake_and_replies_from_other_ranks() -> None:
+    acc = Accessor(CFG, "decode-0")
+    hn = acc.handshake(_a(0), PIN)
+    assert isinstance(hn, HandshakeNeeded) and hn.engine_id == PIN
+    pinners = [Pinner(CFG, PIN, INC, rank=r, ranks=2) for r in range(2)]
+    assert acc.handshake_reply(_a(0.1), pinners[1].handshake_reply(_p(0), hn.message)) == ()
+    est = acc.clock_estimator(PIN)
+    assert acc.is_connected(PIN) and est is not None and est.sample_count == 0  # only rank 0 samples the clock
+    tk = pinners[0].grant(_p(0.2), "k")
+    assert acc.track(_a(0.2), "k", tk) == ()  # already connected: no handshake needed
+
+
+def test_confirmation_needs_every_pinner_rank() -> None:
+    pinners = [Pinner(CFG, PIN, INC, rank=r, ranks=2) for r in range(2)]
+    acc = Accessor(CFG, "decode-0")
+    tks = [p.grant(_p(0), "k", lease_id=5) for p in pinners]
+    (hs,) = acc.track(_a(0), "k", tks[0])
+    acc.handshake_reply(_a(0), pinners[0].handshake_reply(_p(0), hs.message))  # type: ignore[union-attr]
+    acc.begin_access(_a(0), "k")  # never acknowledged: the access must be confirmed
+    sends = [o for o in acc.access_finished(_a(0.1), "k") if isinstance(o, Send)]
+    assert sorted(s.rank for s in sends) == [0, 1]  # type: ignore[type-var]
+    acks = [pinners[s.rank].receive(_p(0.1), s.message)[-1] for s in sends]  # type: ignore[index]
+    assert acc.receive(_a(0.2), acks[0].message) == ()  # type: ignore[union-attr]
+    (done,) = acc.receive(_a(0.2), acks[1].message)  # type: ignore[union-attr]
+    assert done == AccessCompleted("k", 5, confirmed_by_pinner=True)
+
+
+def test_restart_seen_in_an_ack_spares_leases_of_the_new_incarnation() -> None:
+    w = Wire()
+    w.connect("old")
+    (send,) = w.acc.handle_timeout(_a(0))
+    hb = send.message  # type: ignore[union-attr]
+    assert isinstance(hb, Heartbeat)
+    # A ticket of the new incarnation arrives before the ack that reveals the restart.
+    w.acc.track(_a(0.05), "new", LeaseTicket(PIN, INC + 1, 1))
+    ack = HeartbeatAck(PIN, 0, INC + 1, hb.seq, PeerTime(hb.t_send), _p(0.05), 0, unknown=(1,))
+    assert w.acc.receive(_a(0.1), ack) == (LeaseLost("old", 1, LostReason.PINNER_RESTARTED),)
+    assert w.acc.state_of("new") is TrackedState.WAITING
