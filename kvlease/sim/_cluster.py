@@ -520,19 +520,28 @@ class Cluster:
                     self._poke(eng, self.now)
 
     def _edge(self, de: _DEngine, u: float) -> float:
-        """An adversarial stall: end the forward pass just around the earliest validity end
-        of a waiting request, so the next access starts where validity, expiry and the
-        access's end meet (where a wrong drift or extension bound shows)."""
+        """An adversarial stall: end the forward pass right at a lease's edge, so the next
+        access starts where validity, expiry and the access's end meet (where a wrong drift or
+        extension bound shows). ``u >= 0``: ``u * duration / 50`` before the earliest accessor
+        validity end among waiting requests; ``u < 0``: ``|u| * duration / 200`` after the
+        earliest pinner expiry among them (the adversary sees both sides' state)."""
         if not de.accessors:
             return self.now
         best = _INF
         for req in de.waiting:
-            v = de.accessors[0].valid_until(req.key)
-            if v is not None:
-                best = min(best, de.clock.real(v))
+            if u >= 0:
+                v = de.accessors[0].valid_until(req.key)
+                if v is not None:
+                    best = min(best, de.clock.real(v))
+            elif req.lease is not None and req.p is not None and req.p.pinners:
+                info = req.p.pinners[0].info(req.lease.lease_id)
+                if info is not None and req.p.incarnation == req.lease.incarnation:
+                    best = min(best, req.p.clock.real(info.expiry))
         if best == _INF:
             return self.now + abs(u) * self.cfg.lease_extension
-        return best - u * self.cfg.kv_lease_duration / 50.0
+        if u >= 0:
+            return best - u * self.cfg.kv_lease_duration / 50.0
+        return best - u * self.cfg.kv_lease_duration / 200.0
 
     def _heal(self, pair: tuple[str, str]) -> None:
         self._trace(pair[0], "heal", pair[1])

@@ -13,13 +13,26 @@ from .._config import LeaseConfig
 from .._pinner import Pinner
 from ._cluster import AccessorFactory, PinnerFactory
 
-__all__ = ["BUGS", "no_drift_margin_accessor", "overstated_extension_accessor", "short_lease_pinner"]
+__all__ = [
+    "BUGS",
+    "long_lease_pinner",
+    "no_drift_margin_accessor",
+    "overstated_extension_accessor",
+    "short_lease_pinner",
+]
 
 
 def short_lease_pinner(config: LeaseConfig, engine_id: str, incarnation: int, rank: int, ranks: int) -> Pinner:
     """A pinner whose leases are 30% shorter than the accessor assumes (initial lease and
     every extension): accessors believe leases valid after the pinner freed them."""
     wrong = config.with_changes(kv_lease_duration=config.kv_lease_duration * 0.7)
+    return Pinner(wrong, engine_id, incarnation, rank=rank, ranks=ranks)
+
+
+def long_lease_pinner(config: LeaseConfig, engine_id: str, incarnation: int, rank: int, ranks: int) -> Pinner:
+    """A pinner that holds leases 50% longer than configured: safe, but a dead accessor's
+    memory outlives the liveness bound."""
+    wrong = config.with_changes(kv_lease_duration=config.kv_lease_duration * 1.5)
     return Pinner(wrong, engine_id, incarnation, rank=rank, ranks=ranks)
 
 
@@ -39,6 +52,7 @@ def no_drift_margin_accessor(config: LeaseConfig, engine_id: str, rank: int, ran
 #: name -> (pinner factory, accessor factory); None keeps the real one.
 BUGS: dict[str, tuple[PinnerFactory | None, AccessorFactory | None]] = {
     "short-lease": (short_lease_pinner, None),
+    "long-lease": (long_lease_pinner, None),
     "overstated-extension": (None, overstated_extension_accessor),
     "no-drift-margin": (None, no_drift_margin_accessor),
 }

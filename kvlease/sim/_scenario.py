@@ -60,7 +60,8 @@ class FaultKind(enum.Enum):
     PARTITION = "partition"  # no message between `engine` and `peer` for `duration`
     STALL = "stall"  # the decoder's forward pass runs from `at` for at least `duration`
     #: Adversarial: the decoder's forward pass runs from `at` until just around the earliest
-    #: validity end of its waiting requests (`duration` is the offset, in lease/50 units).
+    #: validity end (duration >= 0) or pinner expiry (< 0) of its waiting requests; `duration`
+    #: is the offset (see `Cluster._edge`).
     EDGE_STALL = "edge-stall"
 
 
@@ -232,7 +233,7 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         max_message_bytes=rng.choice((128, 256, 1024)),
     )
     ext = cfg.lease_extension
-    horizon = duration_lease * 8.0
+    horizon = duration_lease * 7.0
     n_p, n_d = rng.randint(1, 2), rng.randint(1, 2)
     prefill = tuple(EngineSpec(f"P{i}", rng.choice((1, 2, 4))) for i in range(n_p))
     decode = tuple(EngineSpec(f"D{i}", rng.choice((1, 2)), rng.randint(1, 4)) for i in range(n_d))
@@ -253,7 +254,7 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         )
         at = rng.uniform(0.0, horizon * 0.8)
         if kind is FaultKind.EDGE_STALL:
-            faults.append(Fault(kind, at, rng.uniform(-0.5, 2.0), rng.choice(decode).name))
+            faults.append(Fault(kind, at, rng.uniform(-1.0, 2.0), rng.choice(decode).name))
         elif kind is FaultKind.STALL:
             eng = rng.choice(decode).name
             # Around the extension: the window where validity, expiry and access meet.
@@ -293,5 +294,5 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         faults=tuple(faults),
         config=cfg,
         drift=drift,
-        max_requests=30,
+        max_requests=20,
     )
