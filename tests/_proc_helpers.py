@@ -10,9 +10,14 @@ processes for *measurement*; the protocol never does).
 Imported, `Agent` spawns such a process (optionally inside a network namespace) and waits for
 its events. The NIXL tests may import this module; only the ZMQ helper edits it.
 
-Commands (``op``): grant, refill, release, peek (pinner); connect, track, untrack, read, write
-(accessor); pause (stop stepping for a while, then run ``then`` commands before the next step,
-which is how a test freezes an accessor's heartbeats); stats; exit.
+Config: ``engine_id``, ``role`` (pinner/accessor/both), ``rank``/``ranks`` (a worker of a
+tensor-parallel engine; pinner workers of one engine share ``incarnation``), ``bind``, ``lease``
+(LeaseConfig fields), ``driver`` (Driver keyword arguments), ``tensor`` (torch buffers).
+
+Commands (``op``): grant, refill, release, peek, workers (pinner); connect, track, untrack, read
+(``parts``: one buffer per pinner rank), write (accessor); pause (stop stepping for a while, then
+run ``then`` commands before the next step, which is how a test freezes an accessor's
+heartbeats); stats; exit.
 """
 
 from __future__ import annotations
@@ -183,10 +188,15 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
         import torch as _torch
 
         torch = _torch
-    transport = ZmqTransport(engine_id, 0, bind=config.get("bind", "tcp://127.0.0.1:0"))
-    pinner = kvlease.Pinner(lease_cfg, engine_id, random.getrandbits(63)) if role in ("pinner", "both") else None
-    accessor = kvlease.Accessor(lease_cfg, engine_id) if role in ("accessor", "both") else None
-    driver = Driver(transport, pinner=pinner, accessor=accessor)
+    rank, ranks = int(config.get("rank", 0)), int(config.get("ranks", 1))
+    transport = ZmqTransport(engine_id, rank, bind=config.get("bind", "tcp://127.0.0.1:0"))
+    # The workers of one pinner engine share its incarnation (heterogeneous-TP tests pass it).
+    incarnation = int(config.get("incarnation", random.getrandbits(63)))
+    pinner = None
+    if role in ("pinner", "both"):
+        pinner = kvlease.Pinner(lease_cfg, engine_id, incarnation, rank=rank, ranks=ranks)
+    accessor = kvlease.Accessor(lease_cfg, engine_id, rank=rank, ranks=ranks) if role in ("accessor", "both") else None
+    driver = Driver(transport, pinner=pinner, accessor=accessor, **config.get("driver", {}))
     regions: dict[str, Any] = {}  # pinner: key -> buffer
     reads: dict[str, Any] = {}  # accessor: key -> destination buffer
     tickets: dict[str, int] = {}  # pinner: key -> lease id
@@ -197,6 +207,8 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
         return bytearray([fill]) * size
 
     def contents(buf: Any) -> list[int]:
+        if isinstance(buf, dict):  # one buffer per pinner rank (heterogeneous TP)
+            return sorted({v for b in buf.values() for v in contents(b)})
         raw = bytes(buf.numpy().tobytes()) if torch is not None else bytes(buf)
         return sorted(set(raw))
 
@@ -224,7 +236,9 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
                 if buf is None:
                     buf = regions[key] = new_buffer(cmd["size"], cmd["fill"])
                     transport.register(key, buf)
-                ticket = driver.grant(key, nbytes=cmd["size"], push=cmd.get("push", False))
+                ticket = driver.grant(
+                    key, nbytes=cmd["size"], push=cmd.get("push", False), lease_id=cmd.get("lease_id")
+                )
                 tickets[key] = ticket.lease_id
                 _emit("ticket", rid=rid, key=key, ticket=ticket.to_dict(), address=transport.address)
             elif op == "refill":  # the engine reuses the region's memory for another request
@@ -234,6 +248,9 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
                 else:
                     buf[:] = bytes([cmd["fill"]]) * len(buf)
                 _emit("refilled", rid=rid, key=cmd["key"])
+            elif op == "workers":  # every worker of this engine, by rank (rank 0 tells accessors)
+                transport.worker_addresses = list(cmd["addresses"])
+                _emit("workers", rid=rid)
             elif op == "peek":
                 _emit("region", rid=rid, key=cmd["key"], values=contents(regions[cmd["key"]]))
             elif op == "release":
@@ -252,7 +269,10 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
             elif op in ("read", "write"):
                 key = cmd["key"]
                 if op == "read":
-                    buf = reads[key] = new_buffer(cmd["size"], 0)
+                    if "parts" in cmd:  # pinner ranks to read from, one buffer each
+                        buf = reads[key] = {r: new_buffer(cmd["size"], 0) for r in cmd["parts"]}
+                    else:
+                        buf = reads[key] = new_buffer(cmd["size"], 0)
                     decision = driver.read(key, cmd.get("region", key), buf)
                 else:
                     buf = new_buffer(cmd["size"], cmd["fill"])
@@ -260,6 +280,7 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
                 _emit("access", rid=rid, key=key, allowed=decision.allowed, guaranteed=decision.guaranteed,
                       reason=decision.reason)
             elif op == "pause":
+                _emit("paused", rid=rid)
                 time.sleep(cmd["seconds"])
                 _emit("resumed", rid=rid)
                 for then in cmd.get("then", []):

@@ -35,7 +35,9 @@ The access-done rides on the transfer: the driver passes the core's
 decision targets (NIXL: the notification of the prepped READ/WRITE, delivered only after the
 data landed; ZMQ: the next frame in the same ordered stream, after the data landed), and then
 calls `Accessor.access_finished(..., notified=True)`, which sends a separate access-done only
-when a confirmation is still needed that the attached one did not ask for. Completed transfers
+when a confirmation is still needed that the attached one did not ask for. An access made of
+several transfers (heterogeneous TP: one per pinner rank) is the exception: its access-done is
+sent after every part landed (see `_access` for why). Completed transfers
 are handled *before* the inbound frames of the same step, so the pinner's answer to an attached
 notification (an `AccessDoneAck`) always finds the access finished.
 """
@@ -115,6 +117,7 @@ class _Access:
     started: float
     nbytes: int = 0
     failed: str = ""
+    notified: bool = False  # the access-done rode on the transfer
 
 
 @attrs.define
@@ -310,8 +313,12 @@ class Driver:
             accessor.access_failed(now, key)
             raise ValueError(f"the access targets pinner ranks {list(decision.targets)}: pass one buffer per rank")
         assert decision.notification is not None
-        notif = encode(decision.notification)
-        acc = _Access(key, engine_id, set(), now)
+        # Attached only to a single-part access. With several pinner ranks, a rank that got
+        # its notification frees at once and answers the next heartbeat "completed" while the
+        # other parts are still in flight, which the core takes as the lease lost (stale). So
+        # a multi-part access sends its access-done after every part landed instead.
+        notif = encode(decision.notification) if len(plan) == 1 else None
+        acc = _Access(key, engine_id, set(), now, notified=notif is not None)
         self._accesses[key] = acc
         for rank, reg, buf in plan:
             try:
@@ -579,7 +586,7 @@ class Driver:
             self._dispatch(now, self.accessor.access_failed(now, acc.key))
             self._pending.append(TransferFailed(acc.key, acc.failed))
         else:
-            self._dispatch(now, self.accessor.access_finished(now, acc.key, notified=True))
+            self._dispatch(now, self.accessor.access_finished(now, acc.key, notified=acc.notified))
 
     # -- liveness ---------------------------------------------------------------------------
 

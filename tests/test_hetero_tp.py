@@ -1,0 +1,188 @@
+"""Heterogeneous tensor parallelism over real processes and real ZMQ sockets.
+
+Every worker is its own OS process (tests/_proc_helpers.py: a `Driver` over a `ZmqTransport`
+with its own address), as every TP worker of an engine is. Two layouts:
+
+- pinner TP 2, accessor TP 1: the accessor worker reads from both pinner workers; its
+  heartbeats fan out to both; the access completes only when both READs landed, and each
+  pinner worker then frees its lease exactly once, on the access-done.
+- pinner TP 1, accessor TP 2: the pinner worker hears from both accessor workers and frees
+  only when both reported their access done.
+
+Killing the accessor frees the lease on every pinner worker within extension + interval of the
+last heartbeat that worker heard. Lease: 3 s (heartbeat 0.5 s, extension 2 s).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _proc_helpers import TEST_LEASE, Agent
+
+from kvlease import LeaseConfig
+
+pytest.importorskip("zmq")
+
+pytestmark = pytest.mark.slow
+
+CFG = LeaseConfig(**TEST_LEASE)
+EXT = CFG.lease_extension
+IVL = CFG.heartbeat_interval
+SLACK = 0.75  # scheduling on a loaded 2-core machine (a step is ~2 ms when idle)
+SIZE = 32 * 1024
+#: Long enough for a READ held up by a paused pinner worker (the default is access time +
+#: one interval, 0.7 s here, which a loaded machine could overrun).
+D_DRIVER = {"transfer_timeout": 3.0}
+
+
+def _engine(engine_id: str, role: str, ranks: int, **extra: Any) -> list[Agent]:
+    """The `ranks` workers of one engine, each a process with its own transport address."""
+    incarnation = random.getrandbits(63)  # one engine: one incarnation on every worker
+    workers: list[Agent] = []
+    try:
+        for rank in range(ranks):
+            workers.append(Agent({
+                "engine_id": engine_id, "role": role, "rank": rank, "ranks": ranks,
+                "incarnation": incarnation, "lease": TEST_LEASE, **extra,
+            }))
+        if role == "pinner":
+            # Rank 0 tells accessors where every worker listens (its handshake reply).
+            workers[0].request("workers", "workers", addresses=[w.address for w in workers])
+    except BaseException:
+        for w in workers:
+            w.close()
+        raise
+    return workers
+
+
+def _grant_everywhere(pinners: list[Agent], key: str, lease_id: int) -> dict[str, Any]:
+    """One lease id on every pinner worker (a scheduler fanning a grant out); each worker's
+    memory holds its own shard (fill = 0x10 + rank)."""
+    grants = [
+        p.request("grant", "ticket", key=key, size=SIZE, fill=0x10 + r, lease_id=lease_id)
+        for r, p in enumerate(pinners)
+    ]
+    assert grants[0]["ticket"]["ranks"] == len(pinners)
+    return grants[0]
+
+
+def _hb_count(a: Agent) -> int:
+    return max((e["count"] for e in a.find(lambda e: e["ev"] == "hb")), default=0)
+
+
+def _frees(a: Agent, key: str) -> list[dict[str, Any]]:
+    return a.find(lambda e: e["ev"] == "Free" and e["key"] == key)
+
+
+@pytest.fixture
+def p2_d1() -> Iterator[tuple[list[Agent], Agent]]:
+    pinners = _engine("P", "pinner", 2)
+    try:
+        d = _engine("D", "accessor", 1, driver=D_DRIVER)[0]
+    except BaseException:
+        for p in pinners:
+            p.close()
+        raise
+    try:
+        yield pinners, d
+    finally:
+        for a in (*pinners, d):
+            a.close()
+
+
+def test_pinner_tp2_heartbeats_fan_out_and_each_worker_frees_once_on_its_access_done(
+    p2_d1: tuple[list[Agent], Agent],
+) -> None:
+    pinners, d = p2_d1
+    grant = _grant_everywhere(pinners, "k", lease_id=41)
+    d.request("track", "tracked", key="k", ticket=grant["ticket"], address=grant["address"])
+    # Heartbeats reach every pinner worker (one batched heartbeat per interval, fanned out).
+    for p in pinners:
+        p.wait_for(lambda e: e["ev"] == "hb" and e["count"] >= 2, 10)
+    # Hold worker 1 still, so the READ from it cannot finish while the one from worker 0 does.
+    pinners[1].send(op="pause", rid="hold", seconds=0.6)
+    pinners[1].wait_for(lambda e: e["ev"] == "paused", 5)
+    r = d.request("read", "access", key="k", size=SIZE, parts=[0, 1])
+    assert r["allowed"] and r["guaranteed"], r
+    resumed = pinners[1].wait_for(lambda e: e["ev"] == "resumed", 5)
+    done = d.wait_for(lambda e: e["ev"] in ("AccessCompleted", "AccessStale", "TransferFailed"), 10)
+    free0 = pinners[0].wait_for(lambda e: e["ev"] == "Free" and e["key"] == "k", 5)
+    free1 = pinners[1].wait_for(lambda e: e["ev"] == "Free" and e["key"] == "k", 5)
+    print(f"\nP TP2 / D TP1: the access completed {done['t'] - resumed['t']:.3f} s after worker 1 resumed; "
+          f"workers freed {free0['t'] - resumed['t']:.3f} / {free1['t'] - resumed['t']:.3f} s after it")
+    assert done["ev"] == "AccessCompleted", done
+    # Complete only once both READs landed: after worker 1 resumed, with both shards.
+    assert done["t"] >= resumed["t"]
+    assert done["values"] == [0x10, 0x11]
+    assert free0["reason"] == free1["reason"] == "access_done"
+    # Neither worker let go before the whole access landed: a multi-part access reports its
+    # access-done once every part is in (an early free on worker 0 would answer the next
+    # heartbeat "completed" and the accessor would take its own access as stale).
+    assert free0["t"] >= resumed["t"] and free1["t"] >= resumed["t"]
+    # Nothing more: exactly one free per worker, and the accessor forgot the lease.
+    pinners[0].request("stats", "stats")
+    pinners[1].request("stats", "stats")
+    d.request("stats", "stats")
+    assert len(_frees(pinners[0], "k")) == 1 and len(_frees(pinners[1], "k")) == 1
+    assert not d.find(lambda e: e["ev"] in ("LeaseLost", "AccessStale"))
+
+
+def test_pinner_tp2_accessor_killed_frees_on_every_worker_within_the_bound(
+    p2_d1: tuple[list[Agent], Agent],
+) -> None:
+    pinners, d = p2_d1
+    grant = _grant_everywhere(pinners, "dead", lease_id=7)
+    d.request("track", "tracked", key="dead", ticket=grant["ticket"], address=grant["address"])
+    for p in pinners:
+        p.wait_for(lambda e: e["ev"] == "hb" and e["count"] >= 3, 10)
+    killed = d.kill()
+    for rank, p in enumerate(pinners):
+        free = p.wait_for(lambda e: e["ev"] == "Free" and e["key"] == "dead", EXT + IVL + 10)
+        last_hb = max(e["t"] for e in p.find(lambda e: e["ev"] == "hb" and e["t"] <= killed + 0.05))
+        delay = free["t"] - last_hb
+        print(f"\naccessor SIGKILL: pinner worker {rank} freed {delay:.3f} s after the last heartbeat it heard "
+              f"(bound extension + interval + slack = {EXT + IVL + SLACK:.3f} s)")
+        assert free["reason"] == "expired"
+        assert EXT - 0.05 <= delay <= EXT + IVL + SLACK
+    for p in pinners:
+        p.request("stats", "stats")  # let any second free show up before counting
+        assert len(_frees(p, "dead")) == 1
+
+
+def test_accessor_tp2_frees_only_when_every_accessor_worker_reported() -> None:
+    p = _engine("P", "pinner", 1)[0]
+    ds: list[Agent] = []
+    try:
+        ds = _engine("D", "accessor", 2, driver=D_DRIVER)
+        grant = _grant_everywhere([p], "k2", lease_id=5)
+        for d in ds:
+            d.request("track", "tracked", key="k2", ticket=grant["ticket"], address=grant["address"])
+        # One pinner worker hears (and renews for) both accessor workers.
+        p.wait_for(lambda e: e["ev"] == "hb" and e["count"] >= 4, 10)
+        first = ds[0].request("read", "access", key="k2", size=SIZE)
+        assert first["allowed"], first
+        done0 = ds[0].wait_for(lambda e: e["ev"] in ("AccessCompleted", "AccessStale", "TransferFailed"), 10)
+        assert done0["ev"] == "AccessCompleted" and done0["values"] == [0x10], done0
+        # Worker 0's access-done has arrived (a heartbeat after it is answered) but one of two
+        # expected ranks is not enough: the memory stays pinned.
+        n = _hb_count(p)
+        p.wait_for(lambda e: e["ev"] == "hb" and e["count"] >= n + 2, 10)
+        assert _frees(p, "k2") == []
+        second = ds[1].request("read", "access", key="k2", size=SIZE)
+        assert second["allowed"], second
+        done1 = ds[1].wait_for(lambda e: e["ev"] in ("AccessCompleted", "AccessStale", "TransferFailed"), 10)
+        assert done1["ev"] == "AccessCompleted" and done1["values"] == [0x10], done1
+        free = p.wait_for(lambda e: e["ev"] == "Free" and e["key"] == "k2", 5)
+        print(f"\nP TP1 / D TP2: freed {free['t'] - done1['t']:.3f} s after the second worker's access completed")
+        assert free["reason"] == "access_done"
+        assert free["t"] >= second["t"]
+        p.request("stats", "stats")
+        assert len(_frees(p, "k2")) == 1
+        for d in ds:
+            assert not d.find(lambda e: e["ev"] in ("LeaseLost", "AccessStale"))
+    finally:
+        for a in (p, *ds):
+            a.close()
