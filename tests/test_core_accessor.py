@@ -678,3 +678,27 @@ def test_restart_seen_in_an_ack_spares_leases_of_the_new_incarnation() -> None:
     ack = HeartbeatAck(PIN, 0, INC + 1, hb.seq, PeerTime(hb.t_send), _p(0.05), 0, unknown=(1,))
     assert w.acc.receive(_a(0.1), ack) == (LeaseLost("old", 1, LostReason.PINNER_RESTARTED),)
     assert w.acc.state_of("new") is TrackedState.WAITING
+
+
+@pytest.mark.xfail(strict=True, reason="core bug: acks are sized by the accessor's engine id, not the pinner's")
+def test_acks_stay_under_the_size_bound_when_the_pinner_id_is_longer() -> None:
+    """The accessor sizes heartbeat chunks for its own engine id; the pinner's ack carries the
+    pinner's id and splits the ids into four lists (each opening with an absolute id)."""
+    cfg = CFG.with_changes(max_message_bytes=128, tombstone_limit=1000)
+    pinner = Pinner(cfg, "prefill-" + "x" * 60, 2**63)
+    acc = Accessor(cfg, "decode-0")
+    base = 2**40
+    tks = [pinner.grant(_p(0), f"k{i}", lease_id=base + 1 + i) for i in range(40)]
+    for i, tk in enumerate(tks):
+        acc.track(_a(0), f"k{i}", tk)
+        if i % 4 == 1:
+            pinner.release(_p(1), tk.lease_id)
+        elif i % 4 == 2:
+            pinner.receive(_p(1), AccessDone("decode-0", 0, 2**63, tk.lease_id, 1, False, _a(0)))
+    (hs,) = acc.handle_timeout(_a(CFG.heartbeat_interval))
+    acc.handshake_reply(_a(1), pinner.handshake_reply(_p(1), hs.message))  # type: ignore[union-attr]
+    for o in acc.handle_timeout(_a(1)):
+        assert isinstance(o, Send) and len(encode(o.message)) <= 128
+        for reply in pinner.receive(_p(2), o.message):
+            assert isinstance(reply, Send)
+            assert len(encode(reply.message)) <= 128
