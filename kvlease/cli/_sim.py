@@ -113,7 +113,9 @@ def _run_policies(scenario: Scenario, policies: list[Policy]) -> list[RunResult]
     return results
 
 
-def _plots(out: Path, results: list[RunResult], seed: int, sweep_rates: list[float]) -> list[Path]:
+def _plots(
+    out: Path, results: list[RunResult], scenario: Scenario, sweep_rates: list[float], sweep_duration: float
+) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,7 +132,7 @@ def _plots(out: Path, results: list[RunResult], seed: int, sweep_rates: list[flo
         xs = [t for t, _ in r.timeline]
         ys = [b / 1000.0 for _, b in r.timeline]
         ax.plot(xs, ys, label=r.policy, color=colors.get(r.policy), linestyle=styles.get(r.policy, "-"), lw=1.3)
-    sc = default_scenario(seed)
+    sc = scenario
     for b_start, b_len, _ in sc.workload.bursts:
         ax.axvspan(b_start, b_start + b_len, color="0.85", lw=0, label="burst")
     for f in sc.faults:
@@ -171,14 +173,15 @@ def _plots(out: Path, results: list[RunResult], seed: int, sweep_rates: list[flo
     with _progress() as progress:
         task = progress.add_task("load sweep", total=len(sweep_rates) * len(policies))
         for rate in sweep_rates:
-            scenario = default_scenario(seed, duration=300.0, crash_at=None, burst=(60.0, 60.0, rate), stall=None)
+            burst = (sweep_duration / 5.0, sweep_duration / 5.0, rate)
+            swept = default_scenario(scenario.seed, duration=sweep_duration, crash_at=None, burst=burst, stall=None)
             for p in policies:
-                wasted[p.value].append(_Cluster(scenario, p).run().recomputed)
+                wasted[p.value].append(_Cluster(swept, p).run().recomputed)
                 progress.advance(task)
     fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
     for name, ys in wasted.items():
         ax.plot(sweep_rates, ys, marker="o", label=name, color=colors.get(name), linestyle=styles.get(name, "-"))
-    ax.set_xlabel("burst arrival rate for 60 s (requests/s; decoders serve ~12/s)")
+    ax.set_xlabel(f"burst arrival rate for {sweep_duration / 5:.0f} s (requests/s; decoders serve ~12/s)")
     ax.set_ylabel("prefills wasted and recomputed")
     ax.set_title("Wasted prefills vs load")
     ax.legend(fontsize=8)
@@ -188,7 +191,8 @@ def _plots(out: Path, results: list[RunResult], seed: int, sweep_rates: list[flo
     plt.close(fig)
     written.append(path)
     (out / "sim-wasted-prefills.json").write_text(
-        json.dumps({"burst_rates": sweep_rates, "recomputed": wasted}, indent=1) + "\n"
+        json.dumps({"burst_rates": sweep_rates, "sweep_duration": sweep_duration, "recomputed": wasted}, indent=1)
+        + "\n"
     )
     return written
 
@@ -356,7 +360,7 @@ def sim(
         _table(results, f"seed {seed}: {duration:.0f} s simulated, {events:,} events in {elapsed:.1f} s")
     if plot_dir is not None:
         rates = [float(x) for x in sweep.split(",") if x.strip()]
-        for path in _plots(plot_dir, results, seed, rates):
+        for path in _plots(plot_dir, results, scenario, rates, max(60.0, min(300.0, duration))):
             click.echo(f"wrote {path}", err=as_json)
     if any(r.violations for r in results if r.policy == Policy.KVLEASE.value):
         sys.exit(1)

@@ -172,11 +172,18 @@ def relevant_trace(result: RunResult, violation: Violation) -> list[tuple[float,
         if what == "track" and key_re is not None and key_re.search(detail):
             engines.add(who.split(".")[0])
     faults = {"crash", "restart", "partition", "heal", "stall", "edge-stall"}
+    start = 0.0
+    for t, _who, what, detail in trace:
+        if what == "grant" and lease_re is not None and lease_re.search(detail):
+            start = t
+            break
     out = []
     for ev in trace:
         t, who, what, detail = ev
         if t > violation.at + 1e-9:
             break
+        if t < start and what not in faults:
+            continue
         engine = who.split(".")[0]
         mentions = (key_re is not None and key_re.search(detail)) or (lease_re is not None and lease_re.search(detail))
         between = engine in engines and what in ("send", "recv") and any(e in detail for e in engines - {engine})
