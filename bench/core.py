@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 
 from kvlease import Heartbeat, LeaseConfig, LocalTime, Pinner, encode, split_ids
-from kvlease._codec import message_overhead
+from kvlease._codec import heartbeat_id_budget
 
 
 class ScanTable:
@@ -116,7 +116,7 @@ def bench_size(n: int, cfg: LeaseConfig) -> dict[str, float]:
 
     # -- heartbeats: bytes per id and renewals per second ------------------------------------
     ids = sorted(pinner.live_ids())
-    budget = cfg.max_message_bytes - message_overhead("decode-0")
+    budget = heartbeat_id_budget(cfg.max_message_bytes, "decode-0", "prefill-0")
     chunks = split_ids(ids, budget)
     hbs = [Heartbeat("decode-0", 0, 1, i, LocalTime(1.0), c) for i, c in enumerate(chunks)]
     res["hb_bytes_kv"] = sum(len(encode(h)) for h in hbs) / n

@@ -25,9 +25,9 @@ from collections import OrderedDict
 import attrs
 
 from ._clock import ClockOffsetEstimator, ClockSample, LocalTime, PeerTime
-from ._codec import message_overhead, split_ids
+from ._codec import MIN_ID_BUDGET, heartbeat_id_budget, split_ids
 from ._config import LeaseConfig
-from ._errors import LocalProtocolError
+from ._errors import ConfigError, LocalProtocolError
 from ._events import (
     AccessCompleted,
     AccessorOutput,
@@ -144,6 +144,12 @@ class Accessor:
             raise LocalProtocolError("engine_id must be a non-empty string")
         if not 0 <= rank < ranks <= 1 << 16:
             raise LocalProtocolError(f"need 0 <= rank < ranks <= 65536, got rank={rank} ranks={ranks}")
+        budget = heartbeat_id_budget(config.max_message_bytes, engine_id, "")
+        if budget < MIN_ID_BUDGET:
+            need = config.max_message_bytes - budget + MIN_ID_BUDGET
+            raise ConfigError(
+                "max_message_bytes", config.max_message_bytes, f">= {need} for the accessor engine id {engine_id!r}"
+            )
         self.config = config
         self.engine_id = engine_id
         self.rank = rank
@@ -406,7 +412,14 @@ class Accessor:
         eng.incarnation = reply.incarnation
         eng.ranks = reply.ranks
         # Honour the pinner's bound too (some NIXL backends cap notifications near 256 B).
-        eng.max_message_bytes = min(self.config.max_message_bytes, max(reply.max_message_bytes, 128))
+        eng.max_message_bytes = min(self.config.max_message_bytes, reply.max_message_bytes)
+        if heartbeat_id_budget(eng.max_message_bytes, self.engine_id, reply.engine_id) < MIN_ID_BUDGET:
+            eng.connected = False
+            why = (
+                f"max_message_bytes={eng.max_message_bytes} leaves no room for lease ids between "
+                f"engine ids {self.engine_id!r} and {reply.engine_id!r}"
+            )
+            return (*out, Rejected(reply.engine_id, why))
         eng.connected = True
         if reply.rank == 0:
             eng.clock.add_sample(ClockSample(LocalTime(reply.t_echo), reply.t_recv, reply.t_send, now))
@@ -513,7 +526,7 @@ class Accessor:
 
     def _send_heartbeats(self, now: float, eng: _Engine, ids: list[int], out: list[AccessorOutput]) -> None:
         assert eng.incarnation is not None
-        budget = eng.max_message_bytes - message_overhead(self.engine_id)
+        budget = heartbeat_id_budget(eng.max_message_bytes, self.engine_id, eng.engine_id)
         # Forget rounds that can no longer extend anything, and bound the rest.
         horizon = now - self.config.accessor_extension
         while eng.outstanding and (

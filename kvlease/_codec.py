@@ -34,11 +34,12 @@ __all__ = [
     "MAGIC",
     "MAX_DECODE_BYTES",
     "MAX_ENGINE_ID_BYTES",
+    "MIN_ID_BUDGET",
     "decode",
     "encode",
+    "heartbeat_id_budget",
     "ids_encoded_size",
     "is_native_frame",
-    "message_overhead",
     "split_ids",
 ]
 
@@ -100,18 +101,29 @@ def ids_encoded_size(ids: Sequence[int]) -> int:
     return total
 
 
-def message_overhead(engine_id: str) -> int:
-    """An upper bound on the bytes of a heartbeat or release besides its id list, and of a
-    heartbeat ack besides its four id lists (excluding their headers beyond one byte each)."""
-    # magic 2 + array hdr 1 + version 1 + type 1 + str (hdr <= 3) + rank 5 + incarnation 9
-    # + seq 9 + two floats 18 + renewed 5 + four list headers (3 each) + slack.
-    return 2 + 1 + 1 + 1 + 3 + len(engine_id.encode()) + 5 + 9 + 9 + 18 + 5 + 12 + 8
+def heartbeat_id_budget(max_message_bytes: int, accessor_id: str, pinner_id: str) -> int:
+    """The largest `split_ids` budget for which both a heartbeat from `accessor_id` and the
+    pinner's `HeartbeatAck` to it stay within `max_message_bytes`.
+
+    Worst cases, with C the id list's content: a heartbeat is at most ``40 + len(accessor_id)
+    + 3 + C`` bytes; an ack spreads the same ids over four lists, each opening with an absolute
+    id (at most 8 bytes more than a gap, for three extra lists) behind a 3-byte header, so it is
+    at most ``51 + len(pinner_id) + 12 + 24 + C``. `split_ids` counts a 5-byte header in its
+    budget.
+    """
+    acc = len(accessor_id.encode("utf-8", "surrogatepass"))
+    pin = len(pinner_id.encode("utf-8", "surrogatepass"))
+    return max_message_bytes - max(38 + acc, 82 + pin)
+
+
+#: The smallest id budget that still carries a full-size (9-byte) id.
+MIN_ID_BUDGET: Final = 16
 
 
 def split_ids(ids: Sequence[int], budget: int) -> list[tuple[int, ...]]:
     """Split a sorted id list into chunks whose encoded list is at most `budget` bytes."""
-    if budget < 16:
-        raise EncodeError(f"id budget of {budget} bytes is too small (need >= 16)")
+    if budget < MIN_ID_BUDGET:
+        raise EncodeError(f"id budget of {budget} bytes is too small (need >= {MIN_ID_BUDGET})")
     chunks: list[tuple[int, ...]] = []
     start = 0
     size = 5  # worst-case array header

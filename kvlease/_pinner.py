@@ -26,8 +26,9 @@ from collections.abc import Iterable
 import attrs
 
 from ._clock import LocalTime, PeerTime
+from ._codec import MIN_ID_BUDGET, heartbeat_id_budget
 from ._config import LeaseConfig
-from ._errors import LocalProtocolError
+from ._errors import ConfigError, LocalProtocolError
 from ._events import EndReason, Free, PinnerOutput, Rejected, Send
 from ._messages import (
     ALL_CAPABILITIES,
@@ -146,6 +147,12 @@ class Pinner:
             raise LocalProtocolError(f"incarnation must be a uint64, got {incarnation}")
         if not 0 <= rank < ranks <= _MAX_RANK:
             raise LocalProtocolError(f"need 0 <= rank < ranks <= {_MAX_RANK}, got rank={rank} ranks={ranks}")
+        budget = heartbeat_id_budget(config.max_message_bytes, "", engine_id)
+        if budget < MIN_ID_BUDGET:
+            need = config.max_message_bytes - budget + MIN_ID_BUDGET
+            raise ConfigError(
+                "max_message_bytes", config.max_message_bytes, f">= {need} for the pinner engine id {engine_id!r}"
+            )
         self.config = config
         self.engine_id = engine_id
         self.incarnation = incarnation

@@ -20,7 +20,7 @@ from kvlease import (
     AccessorOutput,
     AccessOutcome,
     AccessStale,
-    EncodeError,
+    ConfigError,
     EndReason,
     Free,
     Handshake,
@@ -516,10 +516,17 @@ def test_heartbeats_split_under_the_size_bound_with_10k_leases(max_bytes: int) -
     assert pinner.counters.renewed == 10_000
 
 
-@pytest.mark.xfail(strict=True, raises=EncodeError, reason="core bug: id budget < 16 B crashes handle_timeout")
+def test_engine_ids_too_long_for_the_message_bound_are_refused_at_start_up() -> None:
+    cfg = CFG.with_changes(max_message_bytes=128)
+    with pytest.raises(ConfigError, match="max_message_bytes"):
+        Accessor(cfg, "decode-" + "x" * 80)
+    with pytest.raises(ConfigError, match="max_message_bytes"):
+        Pinner(cfg, "prefill-" + "x" * 40, INC)
+
+
 def test_long_engine_id_under_the_smallest_message_bound() -> None:
-    """A 40-byte engine id leaves under 16 bytes for ids in a 128-byte heartbeat; the accessor
-    should refuse that at construction (or clamp), not raise from handle_timeout later."""
+    """A 40-byte engine id still leaves room for ids in a 128-byte heartbeat: every message
+    stays under the bound (it used to raise EncodeError from handle_timeout)."""
     cfg = CFG.with_changes(max_message_bytes=128)
     pinner = Pinner(cfg, PIN, INC)
     acc = Accessor(cfg, "decode-with-a-rather-long-engine-name-0")
@@ -680,12 +687,11 @@ def test_restart_seen_in_an_ack_spares_leases_of_the_new_incarnation() -> None:
     assert w.acc.state_of("new") is TrackedState.WAITING
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: acks are sized by the accessor's engine id, not the pinner's")
 def test_acks_stay_under_the_size_bound_when_the_pinner_id_is_longer() -> None:
     """The accessor sizes heartbeat chunks for its own engine id; the pinner's ack carries the
     pinner's id and splits the ids into four lists (each opening with an absolute id)."""
     cfg = CFG.with_changes(max_message_bytes=128, tombstone_limit=1000)
-    pinner = Pinner(cfg, "prefill-" + "x" * 60, 2**63)
+    pinner = Pinner(cfg, "prefill-" + "x" * 20, 2**63)
     acc = Accessor(cfg, "decode-0")
     base = 2**40
     tks = [pinner.grant(_p(0), f"k{i}", lease_id=base + 1 + i) for i in range(40)]
