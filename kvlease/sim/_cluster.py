@@ -178,7 +178,7 @@ class _Lease:
 class _Req:
     __slots__ = (
         "arrival", "attempt", "blocks", "d", "done_ranks", "failed", "id", "key", "lease", "out_tokens",
-        "p", "prompt", "push", "ticket", "tokens_left", "xfer_end", "xfer_start",
+        "p", "prompt", "push", "ticket", "xfer_end", "xfer_start",
     )
 
     def __init__(self, rid: int, arrival: float, prompt: int, out_tokens: int, blocks: int, push: bool) -> None:
@@ -194,7 +194,6 @@ class _Req:
         self.d: _DEngine | None = None
         self.lease: _Lease | None = None
         self.ticket: LeaseTicket | None = None
-        self.tokens_left = out_tokens
         self.done_ranks = 0
         self.failed = False
         self.xfer_start = 0.0
@@ -291,6 +290,7 @@ class _PEngine(_Engine):
 class _DEngine(_Engine):
     __slots__ = (
         "accessors",
+        "finishing",
         "flush",
         "hb_due",
         "replies",
@@ -298,6 +298,7 @@ class _DEngine(_Engine):
         "running",
         "slots",
         "stall_until",
+        "steps",
         "transfers",
         "waiting",
     )
@@ -309,7 +310,11 @@ class _DEngine(_Engine):
         self.replies: list[tuple[int, bytes]] = []
         self.reqs: dict[str, _Req] = {}
         self.waiting: list[_Req] = []
-        self.running: list[_Req] = []
+        self.running: dict[str, _Req] = {}
+        # (forward pass at whose end the request has decoded all its tokens, id, key): one
+        # heap instead of touching every running request on every step.
+        self.finishing: list[tuple[int, int, str]] = []
+        self.steps = 0
         self.transfers: list[_Req] = []
         self.stall_until = 0.0  # the next forward pass lasts at least until then
         self.flush = False  # the stalled forward pass finishes the whole running batch
@@ -590,7 +595,8 @@ class Cluster:
         de.replies = []
         de.reqs = {}
         de.waiting = []
-        de.running = []
+        de.running = {}
+        de.finishing = []
         de.transfers = []
         de.stall_until = 0.0
         de.hb_due = _INF
@@ -626,7 +632,8 @@ class Cluster:
         de.reqs = {}
         de.accessors = []
         de.waiting = []
-        de.running = []
+        de.running = {}
+        de.finishing = []
         de.transfers = []
 
     def _mark_dead(self, lease: _Lease, *, crash: bool = False) -> None:
@@ -907,19 +914,19 @@ class Cluster:
                 self._d_output(de, r, out)
         if self.policy is Policy.VLLM_HB and de.hb_due <= t:
             self._vllm_heartbeat(de)
-        if stepped and de.running:
-            if de.flush:
-                for req in de.running:
-                    req.tokens_left = 1
+        if stepped:
+            de.steps += 1
+            finishing = de.finishing
+            if de.flush:  # this forward pass finished the whole batch
                 de.flush = False
-            keep = []
-            for req in de.running:
-                req.tokens_left -= 1
-                if req.tokens_left <= 0:
+                for req in list(de.running.values()):
                     self._finish(de, req)
-                else:
-                    keep.append(req)
-            de.running = keep
+                finishing.clear()
+            while finishing and finishing[0][0] <= de.steps:
+                _, _, key = heapq.heappop(finishing)
+                req_done = de.running.get(key)
+                if req_done is not None:
+                    self._finish(de, req_done)
         self._schedule(de, now)
         if de.running or de.stall_until > t:
             wl = self.sc.workload
@@ -1051,10 +1058,12 @@ class Cluster:
                 self._fail(de, req, "stale data")
                 return
         self._trace(de.name, "accepted", req.key)
-        de.running.append(req)
+        de.running[req.key] = req
+        heapq.heappush(de.finishing, (de.steps + req.out_tokens, req.id, req.key))
 
     def _finish(self, de: _DEngine, req: _Req) -> None:
         self.result.completed += 1
+        de.running.pop(req.key, None)
         de.reqs.pop(req.key, None)
         if req.lease is not None:
             req.lease.req = None
@@ -1065,8 +1074,7 @@ class Cluster:
         req.failed = True
         self._trace(de.name, "fail", f"{req.key}: {why}")
         de.reqs.pop(req.key, None)
-        if req in de.running:
-            de.running.remove(req)
+        de.running.pop(req.key, None)
         now = de.clock.local(self.now)
         for r, acc in enumerate(de.accessors):
             if acc.state_of(req.key) is not None and req not in de.transfers:
