@@ -180,7 +180,9 @@ def _plots(
                 progress.advance(task)
     fig, ax = plt.subplots(figsize=(6, 3.4), dpi=100)
     for name, ys in wasted.items():
-        ax.plot(sweep_rates, ys, marker="o", label=name, color=colors.get(name), linestyle=styles.get(name, "-"))
+        marker = {"fixed-480s": "x", "fixed-30s": "s"}.get(name, "o")
+        line = styles.get(name, "-")
+        ax.plot(sweep_rates, ys, marker=marker, ms=7, label=name, color=colors.get(name), linestyle=line)
     ax.set_xlabel(f"burst arrival rate for {sweep_duration / 5:.0f} s (requests/s; decoders serve ~12/s)")
     ax.set_ylabel("prefills wasted and recomputed")
     ax.set_title("Wasted prefills vs load")
