@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvlease.cli._sim import sim
+from kvlease.conformance import VECTOR_FORMAT, CoreImplementation, run_vector
 from kvlease.sim import BUGS, campaign, campaign_scenario, minimize, run_scenario, run_seed
 
 CAMPAIGN_SEEDS = 2000
@@ -77,7 +78,7 @@ def test_a_violation_is_minimized_written_and_replays(tmp_path: Path) -> None:
     assert res.exit_code == 1, res.output
     summary = json.loads(res.output[res.output.index("{") :])
     assert summary["failing_seeds"] == [seed] and summary["by_claim"] == {claim: 1}
-    files = list(tmp_path.glob("*.json"))
+    files = list((tmp_path / "traces").glob("*.json"))
     assert len(files) == 1
     record = json.loads(files[0].read_text())
     assert record["format"] == "kvlease-sim-trace/1" and record["claim"] == claim and record["seed"] == seed
@@ -86,3 +87,13 @@ def test_a_violation_is_minimized_written_and_replays(tmp_path: Path) -> None:
     res = runner.invoke(sim, ["--replay", str(files[0])])
     assert res.exit_code == 1
     assert any(v["claim"] == claim for v in json.loads(res.output))
+    # The conformance-vector candidate: the violating lease's engines' core calls, with the
+    # reference core's answers; it replays cleanly through the conformance runner.
+    (vector_file,) = tmp_path.glob("*.json")
+    vector = json.loads(vector_file.read_text())
+    assert vector["kind"] == "trace" and vector["format"] == VECTOR_FORMAT
+    ops = {step["op"] for step in vector["steps"]}
+    assert {"grant", "track", "receive", "begin_access", "access_finished", "handle_timeout"} <= ops
+    assert {ep["role"] for ep in vector["endpoints"].values()} == {"pinner", "accessor"}
+    result = run_vector(vector, CoreImplementation())
+    assert result.passed and result.checked == result.total == len(vector["steps"]), result.mismatch

@@ -24,6 +24,7 @@ from ..sim import (
     default_scenario,
     failure_record,
     minimize,
+    record_vector,
     run_scenario,
     run_seed,
 )
@@ -232,10 +233,20 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
         )
         records.append(record)
         if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            path = out / f"sim-violation-seed{seed}-{violation.claim}.json"
+            # Vectors at the top (`kvlease conformance --vectors OUT` replays them), the
+            # simulator's own trace records in traces/ (`kvlease sim --replay FILE`).
+            (out / "traces").mkdir(parents=True, exist_ok=True)
+            path = out / "traces" / f"sim-violation-seed{seed}-{violation.claim}.json"
             path.write_text(json.dumps(record, indent=1) + "\n")
             record["written_to"] = str(path)
+            vector = record_vector(
+                scenario, violation.claim, name=f"sim_seed{seed}_{violation.claim.replace('-', '_')}",
+                pinner_factory=pinner_factory, accessor_factory=accessor_factory,
+            )
+            if vector is not None:
+                vpath = out / f"sim_seed{seed}_{violation.claim.replace('-', '_')}.json"
+                vpath.write_text(json.dumps(vector, indent=1) + "\n")
+                record["vector_written_to"] = str(vpath)
         if not as_json:
             console.print(f"[bold red]seed {seed}[/]: {violation.claim} at {violation.at:.6f}: {violation.detail}")
             console.print(f"  minimized: {len(scenario.faults)} fault(s), {scenario.max_requests} request(s); trace:")
@@ -243,6 +254,8 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
                 console.print(f"    {t:14.6f} {who:6} {what:14} {detail[:150]}", markup=False, highlight=False)
             if out is not None:
                 console.print(f"  written to {record['written_to']}")
+                if "vector_written_to" in record:
+                    console.print(f"  conformance-vector candidate: {record['vector_written_to']}")
     summary = {
         "seeds": n,
         "first_seed": first,
@@ -289,7 +302,8 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
 @click.option("--first-seed", type=int, default=0, show_default=True, help="First campaign seed.")
 @click.option(
     "--out", type=click.Path(file_okay=False, path_type=Path),
-    help="Campaign: write each violation as a JSON trace (conformance-vector candidate) here.",
+    help="Campaign: write each violation here as a conformance-vector candidate (replay: kvlease conformance "
+    "--vectors DIR) and, in DIR/traces, as a simulator record (replay: kvlease sim --replay FILE).",
 )
 @click.option(
     "--inject-bug", type=click.Choice(sorted(BUGS)),

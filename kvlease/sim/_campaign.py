@@ -24,6 +24,7 @@ import attrs
 from .._config import LeaseConfig
 from ._cluster import AccessorFactory, Cluster, PinnerFactory, RunResult, Violation
 from ._scenario import Policy, Scenario, campaign_scenario
+from ._vector import build_vector
 
 __all__ = [
     "TRACE_FORMAT",
@@ -32,6 +33,7 @@ __all__ = [
     "campaign",
     "failure_record",
     "minimize",
+    "record_vector",
     "relevant_trace",
     "run_scenario",
     "run_seed",
@@ -190,6 +192,40 @@ def relevant_trace(result: RunResult, violation: Violation) -> list[tuple[float,
         if what in faults or what == "VIOLATION" or mentions or between:
             out.append(ev)
     return out
+
+
+def record_vector(
+    scenario: Scenario,
+    claim: str,
+    *,
+    name: str,
+    pinner_factory: PinnerFactory | None = None,
+    accessor_factory: AccessorFactory | None = None,
+) -> dict[str, Any] | None:
+    """Rerun `scenario` recording every core call, and turn the calls on the violating
+    lease's two engines (up to the violation) into a conformance trace vector whose
+    expectations are the reference core's (see `kvlease.sim._vector`). None if the rerun
+    does not violate `claim`."""
+    cluster = Cluster(
+        scenario, Policy.KVLEASE, pinner_factory=pinner_factory, accessor_factory=accessor_factory,
+        check=True, record=True,
+    )
+    result = cluster.run()
+    violation = next((v for v in result.violations if v.claim == claim), None)
+    if violation is None or cluster.recorded is None:
+        return None
+    engines = {violation.lease.split("/")[0]} if violation.lease else set()
+    for lease in cluster.all_leases:
+        if lease.name == violation.lease and lease.d_name:
+            engines.add(lease.d_name)
+    description = (
+        f"Fault-campaign candidate: the calls the simulator made on {sorted(engines)} up to a "
+        f"'{claim}' violation ({violation.detail}) in seed {scenario.seed}'s minimized scenario. "
+        "Expectations are the reference core's answers to the same inputs."
+    )
+    return build_vector(
+        name, description, scenario.config, cluster.endpoints, cluster.recorded, engines=engines, until=violation.at
+    )
 
 
 def failure_record(

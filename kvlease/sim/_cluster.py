@@ -339,6 +339,7 @@ class Cluster:
         accessor_factory: AccessorFactory | None = None,
         check: bool = False,
         trace: bool = False,
+        record: bool = False,
     ) -> None:
         self.sc = scenario
         self.policy = policy
@@ -357,6 +358,11 @@ class Cluster:
         self.result = RunResult(policy.value, scenario.seed, scenario.workload.duration)
         if trace:
             self.result.trace = []
+        #: With `record`: every call made on a core object, as conformance-vector steps
+        #: (spec/vectors/README.md), and the endpoints they address.
+        self.recorded: list[dict[str, Any]] | None = [] if record else None
+        self.endpoints: dict[str, dict[str, Any]] = {}
+        self._endpoint_names: dict[int, str] = {}
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -389,6 +395,20 @@ class Cluster:
         # Clocks at the bound half the time: that is where drift bugs live.
         r = self.rng.choice((-drift, drift, self.rng.uniform(-drift, drift)))
         return _Clock(self.rng.uniform(1e4, 2e5), 1.0 + r)
+
+    def _rec(self, obj: object, now: float, op: str, args: dict[str, Any] | None = None) -> None:
+        """Record one core call as a conformance-vector step (only with `record`)."""
+        if self.recorded is not None:
+            step: dict[str, Any] = {"endpoint": self._endpoint_names[id(obj)], "now": now, "op": op, "t": self.now}
+            if args:
+                step["args"] = args
+            self.recorded.append(step)
+
+    def _register(self, obj: object, spec: dict[str, Any]) -> None:
+        if self.recorded is not None:
+            name = f"{spec['engine_id']}.{spec['rank']}#{spec.pop('generation')}"
+            self._endpoint_names[id(obj)] = name
+            self.endpoints[name] = spec
 
     def _at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
         self._seq += 1
@@ -587,11 +607,19 @@ class Cluster:
         else:
             pe.pinners = [self.pinner_factory(self.cfg, pe.name, pe.incarnation, r, pe.tp) for r in range(pe.tp)]
             pe.fixed = []
+            for r, pinner in enumerate(pe.pinners):
+                self._register(pinner, {
+                    "role": "pinner", "engine_id": pe.name, "incarnation": pe.incarnation, "rank": r,
+                    "ranks": pe.tp, "generation": pe.gen,
+                })
 
     def _start_accessor(self, de: _DEngine) -> None:
         de.accessors = []
         if self.policy is Policy.KVLEASE:
             de.accessors = [self.accessor_factory(self.cfg, de.name, r, de.tp) for r in range(de.tp)]
+            for r, acc in enumerate(de.accessors):
+                spec = {"role": "accessor", "engine_id": de.name, "rank": r, "ranks": de.tp, "generation": de.gen}
+                self._register(acc, spec)
         de.replies = []
         de.reqs = {}
         de.waiting = []
@@ -735,6 +763,7 @@ class Cluster:
                 self._p_receive(pe, now, rank, data)
         if pe.pinners:
             for r, pinner in enumerate(pe.pinners):
+                self._rec(pinner, now, "handle_timeout")
                 for out in pinner.handle_timeout(now):
                     self._p_output(pe, r, out)
         else:
@@ -768,6 +797,7 @@ class Cluster:
                 return
             if self.result.trace is not None:
                 self._trace(f"{pe.name}.{rank}", "recv", repr(msg))
+            self._rec(pe.pinners[rank], now, "receive", {"hex": data.hex()})
             for out in pe.pinners[rank].receive(now, msg):
                 self._p_output(pe, rank, out)
             return
@@ -793,8 +823,10 @@ class Cluster:
         now = pe.clock.local(self.now)
         self.result.prefills += 1
         if pe.pinners:
+            self._rec(pe.pinners[0], now, "grant", {"key": req.key, "push": req.push})
             ticket = pe.pinners[0].grant(now, req.key, push=req.push)
             for pinner in pe.pinners[1:]:
+                self._rec(pinner, now, "grant", {"key": req.key, "push": req.push, "lease_id": ticket.lease_id})
                 pinner.grant(now, req.key, push=req.push, lease_id=ticket.lease_id)
             lid = ticket.lease_id
             # The ticket travels as JSON-ish transfer params, as vLLM's kv_transfer_params do.
@@ -871,6 +903,7 @@ class Cluster:
             now = de.clock.local(self.now)
             assert req.ticket is not None
             for r, acc in enumerate(de.accessors):
+                self._rec(acc, now, "track", {"key": req.key, "ticket": req.ticket.to_dict(), "push": req.push})
                 for out in acc.track(now, req.key, req.ticket, push=req.push):
                     self._d_output(de, r, out)
         elif self.policy is Policy.VLLM_HB and de.hb_due == _INF:
@@ -888,6 +921,7 @@ class Cluster:
             for rank, data in replies:
                 msg = decode(data)
                 assert isinstance(msg, HandshakeReply)
+                self._rec(accessors[rank], now, "handshake_reply", {"hex": data.hex()})
                 for out in accessors[rank].handshake_reply(now, msg):
                     self._d_output(de, rank, out)
         if de.inbox:
@@ -901,6 +935,7 @@ class Cluster:
                     continue
                 if self.result.trace is not None:
                     self._trace(f"{de.name}.{rank}", "recv", repr(msg))
+                self._rec(accessors[rank], now, "receive", {"hex": data.hex()})
                 for out in accessors[rank].receive(now, msg):
                     self._d_output(de, rank, out)
         if de.transfers:
@@ -910,6 +945,7 @@ class Cluster:
                 for req in done:
                     self._transfer_done(de, now, req)
         for r, acc in enumerate(accessors):
+            self._rec(acc, now, "handle_timeout")
             for out in acc.handle_timeout(now):
                 self._d_output(de, r, out)
         if self.policy is Policy.VLLM_HB and de.hb_due <= t:
@@ -984,9 +1020,11 @@ class Cluster:
         """Ask every rank's accessor; start the transfer only if all allow it."""
         started: list[int] = []
         for r, acc in enumerate(de.accessors):
+            self._rec(acc, now, "begin_access", {"key": req.key})
             dec = acc.begin_access(now, req.key)
             if not dec.allowed:
                 for s in started:
+                    self._rec(de.accessors[s], now, "access_failed", {"key": req.key})
                     de.accessors[s].access_failed(now, req.key)  # back to waiting
                 return False
             started.append(r)
@@ -1018,17 +1056,21 @@ class Cluster:
         if req.failed:
             for r, acc in enumerate(de.accessors):
                 if acc.state_of(req.key) is not None:
+                    self._rec(acc, now, "access_failed", {"key": req.key})
                     acc.access_failed(now, req.key)
+                self._rec(acc, now, "untrack", {"key": req.key})
                 for out in acc.untrack(now, req.key):
                     self._d_output(de, r, out)
             return
         if not ok:
             for acc in de.accessors:
+                self._rec(acc, now, "access_failed", {"key": req.key})
                 acc.access_failed(now, req.key)
             self._fail(de, req, "transfer failed")
             return
         if de.accessors:
             for r, acc in enumerate(de.accessors):
+                self._rec(acc, now, "access_finished", {"key": req.key})
                 for out in acc.access_finished(now, req.key):
                     self._d_output(de, r, out)
             return
@@ -1078,6 +1120,7 @@ class Cluster:
         now = de.clock.local(self.now)
         for r, acc in enumerate(de.accessors):
             if acc.state_of(req.key) is not None and req not in de.transfers:
+                self._rec(acc, now, "untrack", {"key": req.key})
                 for out in acc.untrack(now, req.key):
                     self._d_output(de, r, out)
         if req.lease is not None:
@@ -1151,7 +1194,9 @@ class Cluster:
             return  # the accessor asks again after an interval
         msg = decode(data)
         assert isinstance(msg, Handshake)
-        reply = pe.pinners[0].handshake_reply(pe.clock.local(self.now), msg)
+        p_now = pe.clock.local(self.now)
+        self._rec(pe.pinners[0], p_now, "handshake", {"hex": data.hex()})
+        reply = pe.pinners[0].handshake_reply(p_now, msg)
         self._trace(p_name, "handshake", f"from {de.name}.{rank} inc={reply.incarnation}")
         back = (de, gen, rank, encode(reply), p_name)
         self._at(self.now + self.sc.network.side_channel_delay, self._handshake_back, back)
