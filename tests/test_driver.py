@@ -20,6 +20,7 @@ from kvlease.transports.zmq_transport import ZmqTransport  # noqa: E402
 from kvlease import (  # noqa: E402
     AccessCompleted,
     Accessor,
+    AccessStale,
     Free,
     Heartbeat,
     LeaseConfig,
@@ -296,3 +297,87 @@ def test_vllm_compat_notifications_renew_and_complete() -> None:
     finally:
         raw.close(0)
         p.close()
+
+
+class _SendLog(ZmqTransport):
+    """The real ZMQ transport, recording what the driver sends through `send` (the control
+    plane) as opposed to what rides on a transfer."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.sent: list[object] = []
+
+    def send(self, engine_id: str, rank: int | None, data: bytes) -> None:
+        from kvlease import decode
+
+        self.sent.append(decode(data))
+        super().send(engine_id, rank, data)
+
+
+def test_access_done_rides_on_the_read_not_a_separate_send(pinner_side: Driver) -> None:
+    from kvlease import AccessDone, EndReason
+
+    p = pinner_side
+    region = bytearray(b"\x5a") * 4096
+    p.transport.register("r", region)
+    t = _SendLog("D", bind="tcp://127.0.0.1:0")
+    d = Driver(t, accessor=Accessor(CFG, "D"))
+    events: list[DriverEvent] = []
+    try:
+        d.track("r", p.grant("r", nbytes=4096), address=p.transport.address)
+        _pump([p, d], lambda: d.accessor is not None and d.accessor.valid_until("r") is not None, events=events)
+        into = bytearray(4096)
+        decision = d.read("r", "r", into)
+        assert decision.allowed and decision.guaranteed and decision.targets == (0,)
+        _pump([p, d], lambda: {type(e) for e in events} >= {AccessCompleted, Free}, events=events)
+        assert into == region
+        free = next(e for e in events if isinstance(e, Free))
+        assert free.reason is EndReason.ACCESS_DONE
+        # The pinner handled an access-done, and none went through the control plane.
+        assert not [m for m in t.sent if isinstance(m, AccessDone)]
+        assert p.stats.leases_completed == 1
+    finally:
+        d.close()
+
+
+def test_attached_confirmation_is_answered_even_when_the_answer_races_the_completion(
+    pinner_side: Driver,
+) -> None:
+    """A READ that finishes after the accessor's window: the attached access-done asked the
+    pinner to confirm (the window did not cover the access-time bound at the start), so no
+    second access-done is sent, and the pinner's `AccessDoneAck` (which may arrive in the same
+    step as the completion) turns into a confirmed completion."""
+    from kvlease import AccessDone
+
+    p = pinner_side
+    region = bytearray(b"\x33") * 1024
+    p.transport.register("c", region)
+    clock = FakeClock()
+    t = _SendLog("D", bind="tcp://127.0.0.1:0")
+    d = Driver(t, accessor=Accessor(CFG, "D"), clock=clock)
+    events: list[DriverEvent] = []
+    try:
+        d.track("c", p.grant("c"), address=p.transport.address)
+
+        def valid() -> bool:
+            clock.t += 0.0001
+            return d.accessor is not None and d.accessor.valid_until("c") is not None
+
+        _pump([p, d], valid, events=events)
+        assert d.accessor is not None
+        vu = d.accessor.valid_until("c")
+        assert vu is not None
+        # Inside the window, but too close to its end to cover the access-time bound.
+        clock.t = vu - CFG.access_time_local / 2
+        into = bytearray(1024)
+        decision = d.read("c", "c", into)
+        assert decision.allowed and not decision.guaranteed
+        assert decision.notification is not None and decision.notification.confirm
+        clock.t = vu + 0.01  # it finishes outside the window (the pinner's lease is live)
+        _pump([p, d], lambda: any(isinstance(e, (AccessCompleted, AccessStale)) for e in events), events=events)
+        done = [e for e in events if isinstance(e, (AccessCompleted, AccessStale))]
+        assert done == [AccessCompleted("c", done[0].lease_id, confirmed_by_pinner=True)], done
+        assert into == region
+        assert not [m for m in t.sent if isinstance(m, AccessDone)]
+    finally:
+        d.close()

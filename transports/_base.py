@@ -40,8 +40,11 @@ The contract, in the driver's words:
   owns the clock) and calls `cancel_transfer(handle)`; `forget_peer` fails every transfer in
   flight to that engine. `notif`, when given, is delivered to
   the remote worker's `receive()` only after the data has landed (NIXL's notification attached
-  to a transfer); the driver itself sends the core's `AccessDone` after completion, so a
-  transport may ignore `notif` only if it documents so.
+  to a transfer; ZMQ: the next frame on the same ordered stream, after the READ's bytes were
+  copied or the WRITE applied), and never when the transfer failed. The driver passes the
+  core's encoded `AccessDone` there, so the pinner hears "done" with the data, without a
+  separate message; a transport must deliver it (dropping it costs the lease its expiry, never
+  safety, but turns every access into a late free).
 - **Progress and liveness.** `progress()` does whatever must happen for remote peers to make
   progress against this worker (serve ZMQ reads, poll NIXL transfers); the driver calls it
   every step. `forget_peer(engine_id)` drops every address, connection and remote agent of an
