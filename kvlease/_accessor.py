@@ -84,8 +84,8 @@ class AccessDecision:
 
 class _Tracked:
     __slots__ = (
-        "attached_confirm", "confirm_pending", "engine", "incarnation", "key", "kind", "lease_id", "push",
-        "state", "tracked_at", "valid_until",
+        "attached_confirm", "confirm_pending", "early_verdicts", "engine", "incarnation", "key", "kind",
+        "lease_id", "push", "state", "tracked_at", "valid_until",
     )
 
     def __init__(self, key: str, engine: _Engine, ticket: LeaseTicket, push: bool, now: float) -> None:
@@ -100,6 +100,9 @@ class _Tracked:
         self.valid_until = float("-inf")
         self.confirm_pending: set[int] = set()
         self.attached_confirm = False  # the notification handed out by begin_access asks to confirm
+        # Verdicts on that attached notification that arrived before access_finished (a transport
+        # may report the transfer done after the pinner already answered).
+        self.early_verdicts: dict[int, AccessOutcome] | None = None
 
 
 class _Outstanding:
@@ -356,6 +359,10 @@ class Accessor:
             t.confirm_pending = set(targets)
             t.tracked_at = now + self.config.accessor_extension  # confirmation deadline
             heapq.heappush(self._checks, (t.tracked_at, key))
+            if not resend and t.early_verdicts:
+                for rank, outcome in t.early_verdicts.items():
+                    out.extend(self._verdict(t, rank, outcome))
+        t.early_verdicts = None
         return tuple(out)
 
     def disconnect(self, now: LocalTime, engine_id: str) -> tuple[AccessorOutput, ...]:
@@ -465,12 +472,22 @@ class Accessor:
             (LostReason.UNKNOWN, ack.unknown),
             (LostReason.EXPIRED, ack.expired),
             (LostReason.RELEASED, ack.released),
-            (LostReason.RELEASED, ack.completed),
+            (None, ack.completed),
         ):
             for lease_id in ids:
                 rec.missing.add(lease_id)
                 lost = eng.leases.get((rec.incarnation, lease_id))
-                if lost is not None and lost.state is not TrackedState.CONFIRMING:
+                if lost is None or lost.state is TrackedState.CONFIRMING:
+                    continue
+                if reason is None:
+                    # Completed by access-done: a lease completes only once every expected
+                    # accessor rank reported, so while we are accessing it, this pinner rank
+                    # heard our own access-done (attached to our part, after it landed); other
+                    # pinner ranks' parts may still be in flight. Otherwise someone else used it.
+                    if lost.state is TrackedState.ACCESSING:
+                        continue
+                    out.extend(self._lose(lost, LostReason.RELEASED))
+                else:
                     out.extend(self._lose(lost, reason))
         rec.pending_ranks.discard(ack.rank)
         if ack.rank == 0 and ack.t_echo <= now:
@@ -492,12 +509,20 @@ class Accessor:
     def _on_done_ack(self, now: LocalTime, ack: AccessDoneAck) -> tuple[AccessorOutput, ...]:
         eng = self._engines.get(ack.engine_id)
         t = None if eng is None else eng.leases.get((ack.incarnation, ack.lease_id))
-        if t is None or t.state is not TrackedState.CONFIRMING or ack.rank not in t.confirm_pending:
+        if t is not None and t.state is TrackedState.ACCESSING and t.attached_confirm:
+            if t.early_verdicts is None:
+                t.early_verdicts = {}
+            t.early_verdicts.setdefault(ack.rank, ack.outcome)
+            return ()
+        return self._verdict(t, ack.rank, ack.outcome) if t is not None else ()
+
+    def _verdict(self, t: _Tracked, rank: int, outcome: AccessOutcome) -> tuple[AccessorOutput, ...]:
+        if t.state is not TrackedState.CONFIRMING or rank not in t.confirm_pending:
             return ()  # duplicate or late
-        if ack.outcome is not AccessOutcome.OK:
+        if outcome is not AccessOutcome.OK:
             self._forget(t)
-            return (AccessStale(t.key, t.lease_id, f"the pinner answered {ack.outcome.name}"),)
-        t.confirm_pending.discard(ack.rank)
+            return (AccessStale(t.key, t.lease_id, f"the pinner answered {outcome.name}"),)
+        t.confirm_pending.discard(rank)
         if t.confirm_pending:
             return ()
         self._forget(t)

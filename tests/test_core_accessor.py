@@ -227,6 +227,12 @@ def test_missing_lease_in_ack(field: str, state: str) -> None:
     out = w.acc.receive(_a(0.01), ack)
     if state == "waiting":
         assert out == (LeaseLost("k", tk.lease_id, ACK_REASON[field]),) and w.acc.state_of("k") is None
+    elif state == "accessing" and field == "completed":
+        # Our own attached access-done (after our part landed) completed it on this pinner
+        # rank; the access in flight decides, and is still covered by validity.
+        assert out == () and w.acc.state_of("k") is TrackedState.ACCESSING
+        fin = w.acc.access_finished(_a(0.02), "k", notified=True)
+        assert not any(isinstance(o, AccessStale) for o in fin)
     elif state == "accessing":
         assert out == (LeaseLost("k", tk.lease_id, ACK_REASON[field]),)
         assert w.acc.state_of("k") is TrackedState.LOST
@@ -708,3 +714,47 @@ def test_acks_stay_under_the_size_bound_when_the_pinner_id_is_longer() -> None:
         for reply in pinner.receive(_p(2), o.message):
             assert isinstance(reply, Send)
             assert len(encode(reply.message)) <= 128
+
+
+@pytest.mark.parametrize("outcome", [AccessOutcome.OK, AccessOutcome.STALE])
+def test_verdict_on_the_attached_notification_may_arrive_before_the_transfer_is_reported_done(
+    outcome: AccessOutcome,
+) -> None:
+    """An uncovered access attaches a confirm-request to the transfer; the pinner can answer
+    before the transport reports the transfer complete. The early verdict is kept, not dropped."""
+    w = Wire()
+    tk = w.connect("k")  # never acknowledged: the access cannot be guaranteed
+    decision = w.acc.begin_access(_a(0), "k")
+    assert decision.allowed and not decision.guaranteed
+    assert decision.notification is not None and decision.notification.confirm
+    assert decision.targets == (0,)
+    # The pinner handles the attached notification (after the data landed) and answers.
+    replies = w.pinner.receive(_p(0.01), decision.notification)
+    acks = [r for r in replies if isinstance(r, Send) and isinstance(r.message, AccessDoneAck)]
+    assert len(acks) == 1 and acks[0].message.outcome is AccessOutcome.OK  # type: ignore[union-attr]
+    early = AccessDoneAck(PIN, 0, INC, tk.lease_id, outcome)
+    assert w.acc.receive(_a(0.02), early) == ()  # still accessing: kept, nothing decided yet
+    assert w.acc.state_of("k") is TrackedState.ACCESSING
+    fin = w.acc.access_finished(_a(0.03), "k", notified=True)
+    assert not any(isinstance(o, Send) for o in fin)  # the attached one already asked
+    if outcome is AccessOutcome.OK:
+        assert fin == (AccessCompleted("k", tk.lease_id, confirmed_by_pinner=True),)
+    else:
+        assert len(fin) == 1 and isinstance(fin[0], AccessStale)
+    assert w.acc.state_of("k") is None
+
+
+def test_an_uncovered_finish_without_an_attached_confirmation_asks_again() -> None:
+    """Guaranteed at the start (the attached notification did not ask to confirm) but finished
+    after the window: the accessor sends a confirm-request of its own."""
+    w = Wire()
+    w.connect("k")
+    w.heartbeat()
+    decision = w.acc.begin_access(_a(0), "k")
+    assert decision.guaranteed and decision.notification is not None and not decision.notification.confirm
+    late = w.acc.valid_until("k")
+    assert late is not None
+    fin = w.acc.access_finished(_a(late - A_EPOCH + 0.001), "k", notified=True)
+    sends = [o for o in fin if isinstance(o, Send)]
+    assert len(sends) == 1 and isinstance(sends[0].message, AccessDone) and sends[0].message.confirm
+    assert w.acc.state_of("k") is TrackedState.CONFIRMING
