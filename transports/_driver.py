@@ -36,8 +36,9 @@ decision targets (NIXL: the notification of the prepped READ/WRITE, delivered on
 data landed; ZMQ: the next frame in the same ordered stream, after the data landed), and then
 calls `Accessor.access_finished(..., notified=True)`, which sends a separate access-done only
 when a confirmation is still needed that the attached one did not ask for. An access made of
-several transfers (heterogeneous TP: one per pinner rank) is the exception: its access-done is
-sent after every part landed (see `_access` for why). Completed transfers
+several transfers (heterogeneous TP: one per pinner rank) attaches it to every part, so each
+pinner rank frees once its own part landed; if a part fails after others landed, the lease is
+given up (a retry could read a rank that already freed). Completed transfers
 are handled *before* the inbound frames of the same step, so the pinner's answer to an attached
 notification (an `AccessDoneAck`) always finds the access finished.
 """
@@ -118,6 +119,7 @@ class _Access:
     nbytes: int = 0
     failed: str = ""
     notified: bool = False  # the access-done rode on the transfer
+    landed: int = 0  # parts that completed (their pinner ranks have the access-done)
 
 
 @attrs.define
@@ -313,12 +315,10 @@ class Driver:
             accessor.access_failed(now, key)
             raise ValueError(f"the access targets pinner ranks {list(decision.targets)}: pass one buffer per rank")
         assert decision.notification is not None
-        # Attached only to a single-part access. With several pinner ranks, a rank that got
-        # its notification frees at once and answers the next heartbeat "completed" while the
-        # other parts are still in flight, which the core takes as the lease lost (stale). So
-        # a multi-part access sends its access-done after every part landed instead.
-        notif = encode(decision.notification) if len(plan) == 1 else None
-        acc = _Access(key, engine_id, set(), now, notified=notif is not None)
+        # Attached to every part: each pinner rank hears the access-done only after its part
+        # landed (and the core knows that a rank answering "completed" mid-access heard ours).
+        notif = encode(decision.notification)
+        acc = _Access(key, engine_id, set(), now, notified=True)
         self._accesses[key] = acc
         for rank, reg, buf in plan:
             try:
@@ -560,6 +560,7 @@ class Driver:
                 continue  # cancelled or unknown
             acc.handles.discard(res.handle)
             if res.ok:
+                acc.landed += 1
                 self.stats.transfers_ok += 1
                 self.stats.bytes_transferred += res.nbytes
                 self._peer(acc.engine_id).heard()
@@ -584,6 +585,12 @@ class Driver:
         del self._accesses[acc.key]
         if acc.failed:
             self._dispatch(now, self.accessor.access_failed(now, acc.key))
+            if acc.landed:
+                # Some parts landed with their access-done attached: those pinner ranks may
+                # free now, so a retry could read freed memory. Give the lease up instead.
+                self._dispatch(now, self.accessor.untrack(now, acc.key))
+                self._track_engine.pop(acc.key, None)
+                acc.failed += f" (after {acc.landed} part(s) landed: lease given up, recompute)"
             self._pending.append(TransferFailed(acc.key, acc.failed))
         else:
             self._dispatch(now, self.accessor.access_finished(now, acc.key, notified=acc.notified))
