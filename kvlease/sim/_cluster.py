@@ -379,11 +379,11 @@ class Cluster:
         self.p: dict[str, _PEngine] = {}
         self.d: dict[str, _DEngine] = {}
         for spec in scenario.prefill:
-            pe = _PEngine(spec.name, spec.tp, self._new_clock(drift))
+            pe = _PEngine(spec.name, spec.tp, self._new_clock(drift, fast=True))
             self._start_pinner(pe)
             self.p[spec.name] = pe
         for dspec in scenario.decode:
-            de = _DEngine(dspec.name, dspec.tp, dspec.slots, self._new_clock(drift))
+            de = _DEngine(dspec.name, dspec.tp, dspec.slots, self._new_clock(drift, fast=False))
             self._start_accessor(de)
             self.d[dspec.name] = de
         self.engines: dict[str, _Engine] = {**self.p, **self.d}
@@ -391,10 +391,12 @@ class Cluster:
 
     # -- infrastructure -----------------------------------------------------------------------
 
-    def _new_clock(self, drift: float) -> _Clock:
-        # Clocks at the bound half the time: that is where drift bugs live.
-        r = self.rng.choice((-drift, drift, self.rng.uniform(-drift, drift)))
-        return _Clock(self.rng.uniform(1e4, 2e5), 1.0 + r)
+    def _new_clock(self, drift: float, *, fast: bool) -> _Clock:
+        # Clocks at the bound most of the time, and mostly in the adversarial direction
+        # (pinners fast: they expire early in real time; accessors slow: they believe late):
+        # that is where drift bugs live.
+        r = self.rng.choice((drift, drift, -drift, self.rng.uniform(-drift, drift)))
+        return _Clock(self.rng.uniform(1e4, 2e5), 1.0 + (r if fast else -r))
 
     def _rec(self, obj: object, now: float, op: str, args: dict[str, Any] | None = None) -> None:
         """Record one core call as a conformance-vector step (only with `record`)."""
@@ -547,26 +549,30 @@ class Cluster:
     def _edge(self, de: _DEngine, u: float) -> float:
         """An adversarial stall: end the forward pass right at a lease's edge, so the next
         access starts where validity, expiry and the access's end meet (where a wrong drift or
-        extension bound shows). ``u >= 0``: ``u * duration / 50`` before the earliest accessor
-        validity end among waiting requests; ``u < 0``: ``|u| * duration / 200`` after the
-        earliest pinner expiry among them (the adversary sees both sides' state)."""
+        extension bound shows). ``u >= 0``: ``u * duration / 50`` before a waiting request's
+        accessor validity end; ``u < 0``: ``|u| * duration / 200`` after its pinner's expiry
+        (the adversary sees both sides' state). The earliest such edge the forward pass in
+        progress can still reach is chosen."""
         if not de.accessors:
             return self.now
+        earliest = de.step_end if de.stepping else self.now
+        d = self.cfg.kv_lease_duration
         best = _INF
         for req in de.waiting:
+            edge = _INF
             if u >= 0:
                 v = de.accessors[0].valid_until(req.key)
                 if v is not None:
-                    best = min(best, de.clock.real(v))
+                    edge = de.clock.real(v) - u * d / 50.0
             elif req.lease is not None and req.p is not None and req.p.pinners:
                 info = req.p.pinners[0].info(req.lease.lease_id)
                 if info is not None and req.p.incarnation == req.lease.incarnation:
-                    best = min(best, req.p.clock.real(info.expiry))
+                    edge = req.p.clock.real(info.expiry) - u * d / 200.0
+            if earliest <= edge < best:
+                best = edge
         if best == _INF:
             return self.now + abs(u) * self.cfg.lease_extension
-        if u >= 0:
-            return best - u * self.cfg.kv_lease_duration / 50.0
-        return best - u * self.cfg.kv_lease_duration / 200.0
+        return best
 
     def _heal(self, pair: tuple[str, str]) -> None:
         self._trace(pair[0], "heal", pair[1])
