@@ -227,10 +227,20 @@ class Accessor:
     def _lapse_time(self, t: _Tracked) -> float:
         if t.state is TrackedState.CONFIRMING:
             return t.tracked_at  # reused as the confirmation deadline
+        if t.kind is LeaseKind.FIXED_TTL:
+            if t.valid_until == float("-inf"):
+                return t.tracked_at + self.config.accessor_extension  # no converted deadline yet
+            return t.valid_until
+        # Renewable: a lapsed validity window only means we cannot *prove* the lease live (the
+        # access would be confirmed, a push refused); heartbeats keep going and the pinner's
+        # answer decides. Give up only after a whole lease duration without any acknowledgement
+        # (since the last acknowledged heartbeat was sent, or since tracking): the pinner is
+        # then dead or unreachable, and would have expired the lease.
         if t.valid_until == float("-inf"):
-            # Never acknowledged: give the pinner one extension to answer before giving up.
-            return t.tracked_at + self.config.accessor_extension
-        return t.valid_until
+            anchor = t.tracked_at
+        else:
+            anchor = t.valid_until - self.config.accessor_extension
+        return anchor + self.config.kv_lease_duration
 
     # -- local calls ------------------------------------------------------------------------
 

@@ -538,8 +538,16 @@ class Pair:
                 )
             state = self.accessor.state_of(key)
             if state is TrackedState.WAITING:
+                # The accessor must wake to give a WAITING lease up: at a fixed-TTL lease's
+                # converted deadline, or one lease duration after the send time of the last
+                # acknowledged heartbeat of a renewable one (a lapsed window alone is not a loss).
+                cfg = self.accessor.config
+                if rec.kind is LeaseKind.FIXED_TTL:
+                    give_up = v
+                else:
+                    give_up = v - cfg.accessor_extension + cfg.kv_lease_duration
                 and_nd = self.accessor.next_deadline()
-                if and_nd is None or and_nd > v:
+                if and_nd is None or and_nd > give_up + TIME_TOLERANCE:
                     raise InvariantViolation(
-                        f"accessor next_deadline {and_nd} is later than {key!r}'s validity {v}"
+                        f"accessor next_deadline {and_nd} is later than when it must give {key!r} up ({give_up})"
                     )

@@ -357,22 +357,51 @@ def test_access_failed_returns_to_waiting_and_lost_access_failing_forgets() -> N
     assert w.acc.access_failed(_a(w.t), "k") == () and w.acc.state_of("k") is None
 
 
-def test_validity_lapses_without_acks() -> None:
+def test_a_lapsed_window_is_not_a_loss_until_a_whole_lease_duration_without_acks() -> None:
     w = Wire()
     tk = w.connect()
     w.heartbeat()
     v = w.acc.valid_until("k")
     assert v is not None
+    sent_at = v - CFG.accessor_extension  # the acknowledged heartbeat's send time
     w.t = CFG.heartbeat_interval
     w.heartbeat(deliver=False)
-    out = [o for o in w.acc.handle_timeout(v) if not isinstance(o, Send)]
+    # The window lapsed: no longer provable (a push would be refused, a read confirmed)...
+    assert [o for o in w.acc.handle_timeout(v) if not isinstance(o, Send)] == []
+    assert w.acc.state_of("k") is TrackedState.WAITING
+    decision = w.acc.begin_access(v, "k")
+    assert decision.allowed and not decision.guaranteed
+    assert w.acc.access_failed(v, "k") == ()
+    # ...heartbeats keep going, and the lease is given up a whole duration after that send.
+    give_up = LocalTime(sent_at + CFG.kv_lease_duration)
+    nd = w.acc.next_deadline()
+    assert nd is not None and nd <= give_up
+    assert [o for o in w.acc.handle_timeout(LocalTime(give_up - 1e-6)) if not isinstance(o, Send)] == []
+    out = [o for o in w.acc.handle_timeout(give_up) if not isinstance(o, Send)]
     assert out == [LeaseLost("k", tk.lease_id, LostReason.VALIDITY_LAPSED)]
 
 
-def test_never_acknowledged_lease_lapses_after_one_extension() -> None:
+def test_a_lapsed_window_revives_with_the_next_acknowledgement() -> None:
+    """A stalled accessor (e.g. a long forward pass) whose window lapsed keeps its lease as
+    soon as the pinner, which still holds it, acknowledges a heartbeat again."""
+    w = Wire()
+    w.connect()
+    w.heartbeat()
+    v = w.acc.valid_until("k")
+    assert v is not None
+    w.t = v - A_EPOCH + 0.01  # past the window, well within the pinner's grant
+    w.heartbeat()
+    v2 = w.acc.valid_until("k")
+    assert v2 is not None and v2 > v
+    assert w.acc.state_of("k") is TrackedState.WAITING
+
+
+def test_never_acknowledged_lease_is_given_up_after_one_lease_duration() -> None:
     acc = Accessor(CFG, "decode-0")
     acc.track(_a(0), "k", LeaseTicket(PIN, INC, 7))
-    out = [o for o in acc.handle_timeout(_a(CFG.accessor_extension)) if not isinstance(o, HandshakeNeeded)]
+    early = [o for o in acc.handle_timeout(_a(CFG.accessor_extension)) if not isinstance(o, HandshakeNeeded)]
+    assert early == []
+    out = [o for o in acc.handle_timeout(_a(CFG.kv_lease_duration)) if not isinstance(o, HandshakeNeeded)]
     assert out == [LeaseLost("k", 7, LostReason.VALIDITY_LAPSED)]
 
 

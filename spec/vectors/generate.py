@@ -233,7 +233,8 @@ def late_read() -> Recorder:
                  "req-1: the READ starts inside validity but is not covered for the access-time "
                  "bound, ends after validity, so the accessor asks the pinner; the pinner had "
                  "expired it and answers STALE: the data is never reported valid. req-2 (no "
-                 "access) is reported lost when its validity lapses.",
+                 "access) is given up one lease duration after its last acknowledged heartbeat "
+                 "was sent (a lapsed window alone is not a loss).",
                  BASE, {"P": pinner("prefill-0", 0x5EED0004), "D": accessor("decode-0")},
                  {"P": 31337.0, "D": 4096.75})
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
@@ -250,14 +251,18 @@ def late_read() -> Recorder:
         t += 1.0
     dec = r.at(4.0).step("D", "begin_access", key="req-1")["result"]
     assert dec["allowed"] and not dec["guaranteed"] and abs(dec["valid_until"] - valid_until) < 1e-9
-    lost = only(r.at(4.33).step("D", "handle_timeout", note="req-2's validity lapsed"), "LeaseLost")
-    assert lost["key"] == "req-2" and lost["reason"] == "validity_lapsed"
+    assert r.at(4.33).step("D", "handle_timeout", note="req-2's window lapsed: not a loss by itself")[
+        "outputs"] == []
     frees = r.at(6.0).step("P", "handle_timeout")["outputs"]
     assert sorted(f["key"] for f in frees) == ["req-1", "req-2"]
     assert all(f["reason"] == "expired" for f in frees)
     fin = r.at(6.25).step("D", "access_finished", key="req-1", note="the READ ends after validity")
     done = only(fin, "Send")
     assert done["message"]["confirm"] is True
+    res = r.at(6.375).step("D", "handle_timeout", note="req-2: a whole lease duration without an ack "
+                           "since the last acknowledged heartbeat was sent: given up")
+    lost = outs(res, "LeaseLost")
+    assert len(lost) == 1 and lost[0]["key"] == "req-2" and lost[0]["reason"] == "validity_lapsed"
     ack = only(r.at(7.0).deliver("P", done, "the partition heals"), "Send")
     assert ack["message"]["outcome"] == int(AccessOutcome.STALE)
     stale = only(r.at(7.25).deliver("D", ack), "AccessStale")
