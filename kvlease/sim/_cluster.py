@@ -358,6 +358,9 @@ class Cluster:
         self.result = RunResult(policy.value, scenario.seed, scenario.workload.duration)
         if trace:
             self.result.trace = []
+        # Hot paths test these flags before building a trace line or a recorded step, so a
+        # plain run never formats strings or dicts it throws away.
+        self._tracing = trace
         #: With `record`: every call made on a core object, as conformance-vector steps
         #: (spec/vectors/README.md), and the endpoints they address.
         self.recorded: list[dict[str, Any]] | None = [] if record else None
@@ -424,7 +427,8 @@ class Cluster:
     def _violate(self, claim: str, detail: str, lease: _Lease | None = None) -> None:
         v = Violation(claim, self.now, detail, lease.name if lease else "", lease.key if lease else "")
         self.result.violations.append(v)
-        self._trace("check", "VIOLATION", f"{claim}: {detail}")
+        if self._tracing:
+            self._trace("check", "VIOLATION", f"{claim}: {detail}")
 
     def _set_pinned(self, delta: float, dead_delta: float = 0.0) -> None:
         t = self.now
@@ -514,7 +518,8 @@ class Cluster:
     # -- faults ---------------------------------------------------------------------------------
 
     def _fault(self, f: Any) -> None:
-        self._trace(f.engine, f.kind.value, f"duration={f.duration} peer={f.peer}")
+        if self._tracing:
+            self._trace(f.engine, f.kind.value, f"duration={f.duration} peer={f.peer}")
         if f.kind is FaultKind.CRASH:
             eng = self.engines[f.engine]
             if not eng.alive:
@@ -575,7 +580,8 @@ class Cluster:
         return best
 
     def _heal(self, pair: tuple[str, str]) -> None:
-        self._trace(pair[0], "heal", pair[1])
+        if self._tracing:
+            self._trace(pair[0], "heal", pair[1])
         self.partitions[pair] -= 1
         if not self.partitions[pair]:
             del self.partitions[pair]
@@ -591,7 +597,8 @@ class Cluster:
             self.router_down[name] = down
 
     def _restart(self, eng: _Engine) -> None:
-        self._trace(eng.name, "restart", "")
+        if self._tracing:
+            self._trace(eng.name, "restart", "")
         eng.alive = True
         eng.gen += 1
         eng.inbox.clear()
@@ -769,7 +776,8 @@ class Cluster:
                 self._p_receive(pe, now, rank, data)
         if pe.pinners:
             for r, pinner in enumerate(pe.pinners):
-                self._rec(pinner, now, "handle_timeout")
+                if self.recorded is not None:
+                    self._rec(pinner, now, "handle_timeout")
                 for out in pinner.handle_timeout(now):
                     self._p_output(pe, r, out)
         else:
@@ -801,9 +809,10 @@ class Cluster:
             except DecodeError as exc:
                 self._violate("codec", f"{pe.name} could not decode: {exc}")
                 return
-            if self.result.trace is not None:
+            if self._tracing:
                 self._trace(f"{pe.name}.{rank}", "recv", repr(msg))
-            self._rec(pe.pinners[rank], now, "receive", {"hex": data.hex()})
+            if self.recorded is not None:
+                self._rec(pe.pinners[rank], now, "receive", {"hex": data.hex()})
             for out in pe.pinners[rank].receive(now, msg):
                 self._p_output(pe, rank, out)
             return
@@ -829,10 +838,12 @@ class Cluster:
         now = pe.clock.local(self.now)
         self.result.prefills += 1
         if pe.pinners:
-            self._rec(pe.pinners[0], now, "grant", {"key": req.key, "push": req.push})
+            if self.recorded is not None:
+                self._rec(pe.pinners[0], now, "grant", {"key": req.key, "push": req.push})
             ticket = pe.pinners[0].grant(now, req.key, push=req.push)
             for pinner in pe.pinners[1:]:
-                self._rec(pinner, now, "grant", {"key": req.key, "push": req.push, "lease_id": ticket.lease_id})
+                if self.recorded is not None:
+                    self._rec(pinner, now, "grant", {"key": req.key, "push": req.push, "lease_id": ticket.lease_id})
                 pinner.grant(now, req.key, push=req.push, lease_id=ticket.lease_id)
             lid = ticket.lease_id
             # The ticket travels as JSON-ish transfer params, as vLLM's kv_transfer_params do.
@@ -848,7 +859,8 @@ class Cluster:
         if self.check:
             self.all_leases.append(lease)
         self._set_pinned(req.blocks)
-        self._trace(pe.name, "grant", f"{lease.name} key={req.key} blocks={req.blocks} push={req.push}")
+        if self._tracing:
+            self._trace(pe.name, "grant", f"{lease.name} key={req.key} blocks={req.blocks} push={req.push}")
         d = req.d
         assert d is not None
         self._at(self.now + self.sc.workload.router_delay, self._d_arrive, (d, d.gen, req))
@@ -856,12 +868,15 @@ class Cluster:
     def _p_output(self, pe: _PEngine, rank: int, out: Any) -> None:
         if isinstance(out, Send):
             heartbeat = isinstance(out.message, HeartbeatAck)
-            if self.result.trace is not None:
+            if self._tracing:
                 self._trace(f"{pe.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {out.message!r}")
             self._send(pe, out.engine_id, out.rank, encode(out.message), heartbeat)
         elif isinstance(out, Free):
             lease = pe.live.get(out.lease_id)
-            self._trace(f"{pe.name}.{rank}", "free", f"{pe.name}/{pe.incarnation}/{out.lease_id} {out.reason.value}")
+            if self._tracing:
+                self._trace(
+                    f"{pe.name}.{rank}", "free", f"{pe.name}/{pe.incarnation}/{out.lease_id} {out.reason.value}"
+                )
             if lease is None or rank in lease.freed:
                 if self.check:
                     self._violate("one-free", f"{pe.name}.{rank} freed lease {out.lease_id} again ({out.reason.value})")
@@ -873,7 +888,8 @@ class Cluster:
                 del pe.live[out.lease_id]
         elif isinstance(out, Rejected):
             self.result.rejected += 1
-            self._trace(f"{pe.name}.{rank}", "rejected", out.reason)
+            if self._tracing:
+                self._trace(f"{pe.name}.{rank}", "rejected", out.reason)
 
     def _on_expired(self, pe: _PEngine, rank: int, lease: _Lease) -> None:
         req = lease.req
@@ -909,12 +925,14 @@ class Cluster:
             now = de.clock.local(self.now)
             assert req.ticket is not None
             for r, acc in enumerate(de.accessors):
-                self._rec(acc, now, "track", {"key": req.key, "ticket": req.ticket.to_dict(), "push": req.push})
+                if self.recorded is not None:
+                    self._rec(acc, now, "track", {"key": req.key, "ticket": req.ticket.to_dict(), "push": req.push})
                 for out in acc.track(now, req.key, req.ticket, push=req.push):
                     self._d_output(de, r, out)
         elif self.policy is Policy.VLLM_HB and de.hb_due == _INF:
             de.hb_due = self.now
-        self._trace(de.name, "track", req.key)
+        if self._tracing:
+            self._trace(de.name, "track", req.key)
         self._poke(de, self.now)
 
     def _d_boundary(self, de: _DEngine, *, stepped: bool) -> None:
@@ -927,7 +945,8 @@ class Cluster:
             for rank, data in replies:
                 msg = decode(data)
                 assert isinstance(msg, HandshakeReply)
-                self._rec(accessors[rank], now, "handshake_reply", {"hex": data.hex()})
+                if self.recorded is not None:
+                    self._rec(accessors[rank], now, "handshake_reply", {"hex": data.hex()})
                 for out in accessors[rank].handshake_reply(now, msg):
                     self._d_output(de, rank, out)
         if de.inbox:
@@ -939,9 +958,10 @@ class Cluster:
                 except DecodeError as exc:
                     self._violate("codec", f"{de.name} could not decode: {exc}")
                     continue
-                if self.result.trace is not None:
+                if self._tracing:
                     self._trace(f"{de.name}.{rank}", "recv", repr(msg))
-                self._rec(accessors[rank], now, "receive", {"hex": data.hex()})
+                if self.recorded is not None:
+                    self._rec(accessors[rank], now, "receive", {"hex": data.hex()})
                 for out in accessors[rank].receive(now, msg):
                     self._d_output(de, rank, out)
         if de.transfers:
@@ -951,7 +971,8 @@ class Cluster:
                 for req in done:
                     self._transfer_done(de, now, req)
         for r, acc in enumerate(accessors):
-            self._rec(acc, now, "handle_timeout")
+            if self.recorded is not None:
+                self._rec(acc, now, "handle_timeout")
             for out in acc.handle_timeout(now):
                 self._d_output(de, r, out)
         if self.policy is Policy.VLLM_HB and de.hb_due <= t:
@@ -975,7 +996,8 @@ class Cluster:
             duration = wl.step_base + wl.step_per_seq * len(de.running)
             if de.stall_until > t:
                 duration = max(duration, de.stall_until - t)
-                self._trace(de.name, "stall", f"until {de.stall_until:.9f}")
+                if self._tracing:
+                    self._trace(de.name, "stall", f"until {de.stall_until:.9f}")
             de.stall_until = 0.0
             self._start_step(de, duration)
             return
@@ -1011,10 +1033,14 @@ class Cluster:
         if free <= 0:
             return
         keep = []
-        for req in de.waiting:
-            if free <= 0 or req.failed:
-                if not req.failed:
-                    keep.append(req)
+        waiting = de.waiting
+        for i, req in enumerate(waiting):
+            if free <= 0:
+                # No slot left: the rest only drop their failed requests (one pass in C,
+                # instead of a Python step per queued request on every boundary).
+                keep.extend([r for r in waiting[i:] if not r.failed])
+                break
+            if req.failed:
                 continue
             if self._begin(de, now, req):
                 free -= 1
@@ -1026,11 +1052,13 @@ class Cluster:
         """Ask every rank's accessor; start the transfer only if all allow it."""
         started: list[int] = []
         for r, acc in enumerate(de.accessors):
-            self._rec(acc, now, "begin_access", {"key": req.key})
+            if self.recorded is not None:
+                self._rec(acc, now, "begin_access", {"key": req.key})
             dec = acc.begin_access(now, req.key)
             if not dec.allowed:
                 for s in started:
-                    self._rec(de.accessors[s], now, "access_failed", {"key": req.key})
+                    if self.recorded is not None:
+                        self._rec(de.accessors[s], now, "access_failed", {"key": req.key})
                     de.accessors[s].access_failed(now, req.key)  # back to waiting
                 return False
             started.append(r)
@@ -1038,7 +1066,8 @@ class Cluster:
         req.xfer_start = self.now
         req.xfer_end = self.now + wl.transfer_base + wl.transfer_per_block * req.blocks
         de.transfers.append(req)
-        self._trace(de.name, "begin_access", f"{req.key} until {req.xfer_end:.9f}")
+        if self._tracing:
+            self._trace(de.name, "begin_access", f"{req.key} until {req.xfer_end:.9f}")
         return True
 
     def _transfer_done(self, de: _DEngine, now: LocalTime, req: _Req) -> None:
@@ -1058,25 +1087,30 @@ class Cluster:
                         f"freed at {ft:.9f} ({why})",
                         lease,
                     )
-        self._trace(de.name, "transfer_done", f"{req.key} ok={ok} end={end:.9f}")
+        if self._tracing:
+            self._trace(de.name, "transfer_done", f"{req.key} ok={ok} end={end:.9f}")
         if req.failed:
             for r, acc in enumerate(de.accessors):
                 if acc.state_of(req.key) is not None:
-                    self._rec(acc, now, "access_failed", {"key": req.key})
+                    if self.recorded is not None:
+                        self._rec(acc, now, "access_failed", {"key": req.key})
                     acc.access_failed(now, req.key)
-                self._rec(acc, now, "untrack", {"key": req.key})
+                if self.recorded is not None:
+                    self._rec(acc, now, "untrack", {"key": req.key})
                 for out in acc.untrack(now, req.key):
                     self._d_output(de, r, out)
             return
         if not ok:
             for acc in de.accessors:
-                self._rec(acc, now, "access_failed", {"key": req.key})
+                if self.recorded is not None:
+                    self._rec(acc, now, "access_failed", {"key": req.key})
                 acc.access_failed(now, req.key)
             self._fail(de, req, "transfer failed")
             return
         if de.accessors:
             for r, acc in enumerate(de.accessors):
-                self._rec(acc, now, "access_finished", {"key": req.key})
+                if self.recorded is not None:
+                    self._rec(acc, now, "access_finished", {"key": req.key})
                 for out in acc.access_finished(now, req.key):
                     self._d_output(de, r, out)
             return
@@ -1105,7 +1139,8 @@ class Cluster:
                 # Optimistic for the baselines: assume the corruption is noticed and recomputed.
                 self._fail(de, req, "stale data")
                 return
-        self._trace(de.name, "accepted", req.key)
+        if self._tracing:
+            self._trace(de.name, "accepted", req.key)
         de.running[req.key] = req
         heapq.heappush(de.finishing, (de.steps + req.out_tokens, req.id, req.key))
 
@@ -1120,13 +1155,15 @@ class Cluster:
         if req.failed:
             return
         req.failed = True
-        self._trace(de.name, "fail", f"{req.key}: {why}")
+        if self._tracing:
+            self._trace(de.name, "fail", f"{req.key}: {why}")
         de.reqs.pop(req.key, None)
         de.running.pop(req.key, None)
         now = de.clock.local(self.now)
         for r, acc in enumerate(de.accessors):
             if acc.state_of(req.key) is not None and req not in de.transfers:
-                self._rec(acc, now, "untrack", {"key": req.key})
+                if self.recorded is not None:
+                    self._rec(acc, now, "untrack", {"key": req.key})
                 for out in acc.untrack(now, req.key):
                     self._d_output(de, r, out)
         if req.lease is not None:
@@ -1148,7 +1185,7 @@ class Cluster:
                     lease = self.leases.get((out.engine_id, msg.incarnation, lid))
                     if lease is not None:
                         lease.last_hb = self.now
-            if self.result.trace is not None:
+            if self._tracing:
                 self._trace(f"{de.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {msg!r}")
             self._send(de, out.engine_id, out.rank, encode(msg), hb)
         elif isinstance(out, HandshakeNeeded):
@@ -1156,7 +1193,8 @@ class Cluster:
         elif isinstance(out, LeaseLost):
             req = de.reqs.get(out.key)
             self.result.leases_lost += 1
-            self._trace(f"{de.name}.{rank}", "lease_lost", f"{out.key} {out.reason.value}")
+            if self._tracing:
+                self._trace(f"{de.name}.{rank}", "lease_lost", f"{out.key} {out.reason.value}")
             if req is not None:
                 if out.reason not in (LostReason.PINNER_RESTARTED, LostReason.UNREACHABLE):
                     self._trouble(req, f"lease lost ({out.reason.value})")
@@ -1168,7 +1206,8 @@ class Cluster:
         elif isinstance(out, AccessStale):
             self.result.stale_caught += 1
             req = de.reqs.get(out.key)
-            self._trace(f"{de.name}.{rank}", "access_stale", f"{out.key} {out.reason}")
+            if self._tracing:
+                self._trace(f"{de.name}.{rank}", "access_stale", f"{out.key} {out.reason}")
             if req is not None:
                 self._trouble(req, f"access stale ({out.reason})")
                 self._fail(de, req, "stale access caught")
@@ -1180,7 +1219,8 @@ class Cluster:
                     self._accepted(de, req)
         elif isinstance(out, Rejected):
             self.result.rejected += 1
-            self._trace(f"{de.name}.{rank}", "rejected", out.reason)
+            if self._tracing:
+                self._trace(f"{de.name}.{rank}", "rejected", out.reason)
 
     def _fail_later(self, de: _DEngine, req: _Req) -> None:
         """A rank lost the lease while the transfer is in flight: the transfer's end decides."""
@@ -1201,9 +1241,11 @@ class Cluster:
         msg = decode(data)
         assert isinstance(msg, Handshake)
         p_now = pe.clock.local(self.now)
-        self._rec(pe.pinners[0], p_now, "handshake", {"hex": data.hex()})
+        if self.recorded is not None:
+            self._rec(pe.pinners[0], p_now, "handshake", {"hex": data.hex()})
         reply = pe.pinners[0].handshake_reply(p_now, msg)
-        self._trace(p_name, "handshake", f"from {de.name}.{rank} inc={reply.incarnation}")
+        if self._tracing:
+            self._trace(p_name, "handshake", f"from {de.name}.{rank} inc={reply.incarnation}")
         back = (de, gen, rank, encode(reply), p_name)
         self._at(self.now + self.sc.network.side_channel_delay, self._handshake_back, back)
 
