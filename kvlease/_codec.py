@@ -10,7 +10,9 @@ whatever the bytes; the state machines never see bytes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
+from operator import sub
 from typing import Any, Final
 
 import msgpack
@@ -177,8 +179,98 @@ def _check_engine(v: str) -> str:
     return v
 
 
+# -- fast paths ---------------------------------------------------------------------------------
+#
+# Heartbeats, acks and access-dones are encoded and decoded once per message per worker, so they
+# are the codec's hot path. Each has a fast encoder/decoder that checks the same conditions with
+# exact-type tests (``type(v) is int`` also rules out bool and int subclasses) and C-level
+# helpers, and accepts only a subset of what the general path accepts (short ASCII engine ids,
+# exact floats): anything else -- including every invalid value -- falls through to the general
+# path below, which accepts or raises exactly as before. So the fast paths change no output and
+# no error; they only skip per-field method calls.
+
+_FAST_ENGINE_CHARS: Final = 64  # 64 characters are at most 256 UTF-8 bytes
+_INF: Final = math.inf
+_INT_ONLY: Final = frozenset((int,))
+
+
+def _fast_engine(v: object) -> bool:
+    return type(v) is str and 0 < len(v) <= _FAST_ENGINE_CHARS and v.isascii()
+
+
+def _fast_uint(v: object) -> bool:
+    return type(v) is int and 0 <= v < _U64
+
+
+def _fast_time(v: object) -> bool:
+    return type(v) is float and -_INF < v < _INF  # false for NaN and both infinities
+
+
+def _fast_pack_ids(ids: object) -> list[int] | None:
+    """`_pack_ids` for a tuple of ints, or None to take the general path."""
+    if type(ids) is not tuple:
+        return None
+    if not ids:
+        return []
+    if not _INT_ONLY.issuperset(map(type, ids)) or ids[0] < 0 or ids[-1] >= _U64:
+        return None
+    gaps = list(map(sub, ids[1:], ids))
+    if gaps and min(gaps) <= 0:
+        return None  # not strictly increasing
+    gaps.insert(0, ids[0])
+    return gaps
+
+
+def _fast_encode_body(msg: Message) -> list[Any] | None:
+    """The encoded array of a hot-path message, or None to take the general path."""
+    cls = type(msg)
+    if cls is Heartbeat:
+        assert isinstance(msg, Heartbeat)
+        if (
+            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.seq) and _fast_time(msg.t_send)
+        ):
+            ids = _fast_pack_ids(msg.lease_ids)
+            if ids is not None:
+                return [PROTOCOL_VERSION, _T_HEARTBEAT, msg.engine_id, msg.rank, msg.incarnation, msg.seq,
+                        msg.t_send, ids]
+    elif cls is HeartbeatAck:
+        assert isinstance(msg, HeartbeatAck)
+        if (
+            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.seq) and _fast_time(msg.t_echo) and _fast_time(msg.t_recv)
+            and _fast_uint(msg.renewed)
+        ):
+            unknown, expired = _fast_pack_ids(msg.unknown), _fast_pack_ids(msg.expired)
+            released, completed = _fast_pack_ids(msg.released), _fast_pack_ids(msg.completed)
+            if unknown is not None and expired is not None and released is not None and completed is not None:
+                return [PROTOCOL_VERSION, _T_HEARTBEAT_ACK, msg.engine_id, msg.rank, msg.incarnation, msg.seq,
+                        msg.t_echo, msg.t_recv, msg.renewed, unknown, expired, released, completed]
+    elif cls is AccessDone:
+        assert isinstance(msg, AccessDone)
+        if (
+            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.lease_id) and _fast_uint(msg.expected) and _fast_time(msg.t_send)
+        ):
+            return [PROTOCOL_VERSION, _T_ACCESS_DONE, msg.engine_id, msg.rank, msg.incarnation, msg.lease_id,
+                    msg.expected, bool(msg.confirm), msg.t_send]
+    elif cls is AccessDoneAck:
+        assert isinstance(msg, AccessDoneAck)
+        if (
+            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.lease_id)
+        ):
+            return [PROTOCOL_VERSION, _T_ACCESS_DONE_ACK, msg.engine_id, msg.rank, msg.incarnation, msg.lease_id,
+                    int(msg.outcome)]
+    return None
+
+
 def encode(msg: Message) -> bytes:
     """Encode one message; raises `EncodeError` for values the wire cannot carry."""
+    fast = _fast_encode_body(msg)
+    if fast is not None:
+        packed_fast: bytes = msgpack.packb(fast, use_bin_type=True)
+        return MAGIC + packed_fast
     body: list[Any]
     match msg:
         case Handshake():
@@ -293,11 +385,77 @@ class _Fields:
         return tuple(out)
 
 
+def _fast_ids(v: object) -> tuple[int, ...] | None:
+    """`_Fields.ids` for a valid list, or None to take the general path (which raises)."""
+    if type(v) is not list:
+        return None
+    if not v:
+        return ()
+    # ints only (no bool); the first id >= 0 and every later gap > 0 (so a 0 is allowed only
+    # first); the last id, the largest, below 2**64.
+    if not _INT_ONLY.issuperset(map(type, v)) or min(v) < 0 or v.count(0) > (v[0] == 0):
+        return None
+    out = tuple(accumulate(v))
+    return out if out[-1] < _U64 else None
+
+
+def _fast_heartbeat(items: list[Any]) -> Message | None:
+    _, _, engine, rank, inc, seq, t_send, ids = items
+    if _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(seq) and _fast_time(t_send):
+        lease_ids = _fast_ids(ids)
+        if lease_ids is not None:
+            return Heartbeat(engine, rank, inc, seq, t_send, lease_ids)
+    return None
+
+
+def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
+    _, _, engine, rank, inc, seq, t_echo, t_recv, renewed, u, e, r, c = items
+    if (
+        _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(seq) and _fast_time(t_echo)
+        and _fast_time(t_recv) and _fast_uint(renewed)
+    ):
+        unknown, expired, released, completed = _fast_ids(u), _fast_ids(e), _fast_ids(r), _fast_ids(c)
+        if unknown is not None and expired is not None and released is not None and completed is not None:
+            return HeartbeatAck(engine, rank, inc, seq, t_echo, t_recv, renewed, unknown, expired, released, completed)
+    return None
+
+
+def _fast_access_done(items: list[Any]) -> Message | None:
+    _, _, engine, rank, inc, lease_id, expected, confirm, t_send = items
+    if (
+        _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(lease_id)
+        and type(expected) is int and 1 <= expected <= 1 << 16 and type(confirm) is bool and _fast_time(t_send)
+    ):
+        return AccessDone(engine, rank, inc, lease_id, expected, confirm, t_send)
+    return None
+
+
+_OUTCOMES: Final = {int(o): o for o in AccessOutcome}
+
+
+def _fast_access_done_ack(items: list[Any]) -> Message | None:
+    _, _, engine, rank, inc, lease_id, outcome = items
+    if _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(lease_id) and type(outcome) is int:
+        verdict = _OUTCOMES.get(outcome)
+        if verdict is not None:
+            return AccessDoneAck(engine, rank, inc, lease_id, verdict)
+    return None
+
+
+_FAST_DECODERS: Final[dict[int, Callable[[list[Any]], Message | None]]] = {
+    _T_HEARTBEAT: _fast_heartbeat,
+    _T_HEARTBEAT_ACK: _fast_heartbeat_ack,
+    _T_ACCESS_DONE: _fast_access_done,
+    _T_ACCESS_DONE_ACK: _fast_access_done_ack,
+}
+
+
 def decode(data: bytes, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
     """Decode one native frame. Any problem raises `DecodeError` naming what was wrong."""
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise DecodeError(f"expected bytes, got {type(data).__name__}")
-    data = bytes(data)
+    if type(data) is not bytes:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise DecodeError(f"expected bytes, got {type(data).__name__}")
+        data = bytes(data)
     if len(data) > max_bytes:
         raise DecodeError(f"message of {len(data)} bytes exceeds the {max_bytes}-byte bound")
     if data[:2] != MAGIC:
@@ -326,6 +484,11 @@ def decode(data: bytes, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
     if len(items) != 2 + _ARITY[mtype]:
         raise DecodeError(f"message type {mtype} expects {_ARITY[mtype]} fields, got {len(items) - 2}")
     try:
+        fast = _FAST_DECODERS.get(mtype)
+        if fast is not None:
+            msg = fast(items)
+            if msg is not None:
+                return msg
         return _decode_fields(mtype, items)
     except DecodeError:
         raise

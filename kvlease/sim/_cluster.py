@@ -14,6 +14,7 @@ scenario, policy and seed, so a seed reproduces bit for bit.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -49,6 +50,8 @@ PinnerFactory = Callable[[LeaseConfig, str, int, int, int], Pinner]
 AccessorFactory = Callable[[LeaseConfig, str, int, int], Accessor]
 
 _INF = math.inf
+_heappush = heapq.heappush
+_heappop = heapq.heappop
 
 
 @attrs.frozen
@@ -367,7 +370,8 @@ class Cluster:
         self.endpoints: dict[str, dict[str, Any]] = {}
         self._endpoint_names: dict[int, str] = {}
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
-        self._seq = 0
+        # Tie-breaker of simultaneous events: scheduling order (1, 2, 3, ...).
+        self._seqs = itertools.count(1)
         self.now = 0.0
         self.pinned = 0.0
         self._last_pin_t = 0.0
@@ -416,8 +420,7 @@ class Cluster:
             self.endpoints[name] = spec
 
     def _at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+        _heappush(self._heap, (t, next(self._seqs), fn, arg))
 
     def _trace(self, who: str, what: str, detail: str) -> None:
         tr = self.result.trace
@@ -453,7 +456,7 @@ class Cluster:
         heap = self._heap
         end = wl.duration
         events = 0
-        pop = heapq.heappop
+        pop = _heappop
         while heap:
             t, _, fn, arg = pop(heap)
             if t > end:
@@ -723,7 +726,7 @@ class Cluster:
         if eng.stepping or t >= eng.wake_at:
             return
         eng.wake_at = t
-        self._at(t, self._wake, (eng, eng.gen, t))
+        _heappush(self._heap, (t, next(self._seqs), self._wake, (eng, eng.gen, t)))
 
     def _wake(self, arg: tuple[_Engine, int, float]) -> None:
         eng, gen, t = arg
@@ -754,8 +757,8 @@ class Cluster:
     def _start_step(self, eng: _Engine, duration: float) -> None:
         eng.stepping = True
         eng.wake_at = _INF
-        eng.step_end = self.now + duration
-        self._at(eng.step_end, self._step_done, (eng, eng.gen, eng.step_end))
+        end = eng.step_end = self.now + duration
+        _heappush(self._heap, (end, next(self._seqs), self._step_done, (eng, eng.gen, end)))
 
     # -- prefill engine (pinner side) ---------------------------------------------------------------
 
@@ -768,18 +771,25 @@ class Cluster:
         self._poke(pe, self.now)
 
     def _p_boundary(self, pe: _PEngine) -> None:
-        now = pe.clock.local(self.now)
+        clock = pe.clock
+        # `_Clock.local` inlined (this runs once per forward pass); LocalTime is a NewType,
+        # the same float either way.
+        now: LocalTime = clock.epoch + clock.rate * self.now  # type: ignore[assignment]
         if pe.inbox:
             inbox = pe.inbox
             pe.inbox = []
             for rank, data in inbox:
                 self._p_receive(pe, now, rank, data)
-        if pe.pinners:
-            for r, pinner in enumerate(pe.pinners):
-                if self.recorded is not None:
+        pinners = pe.pinners
+        if pinners:
+            recorded = self.recorded
+            for r, pinner in enumerate(pinners):
+                if recorded is not None:
                     self._rec(pinner, now, "handle_timeout")
-                for out in pinner.handle_timeout(now):
-                    self._p_output(pe, r, out)
+                outs = pinner.handle_timeout(now)
+                if outs:
+                    for out in outs:
+                        self._p_output(pe, r, out)
         else:
             for r, fixed in enumerate(pe.fixed):
                 for free in fixed.handle_timeout(now):
@@ -791,7 +801,7 @@ class Cluster:
             self._start_step(pe, wl.prefill_base + wl.prefill_per_token * req.prompt)
             return
         nd = _INF
-        for pinner in pe.pinners:
+        for pinner in pinners:
             d = pinner.next_deadline()
             if d is not None and d < nd:
                 nd = d
@@ -937,8 +947,10 @@ class Cluster:
 
     def _d_boundary(self, de: _DEngine, *, stepped: bool) -> None:
         t = self.now
-        now = de.clock.local(t)
+        clock = de.clock
+        now: LocalTime = clock.epoch + clock.rate * t  # type: ignore[assignment]  # _Clock.local
         accessors = de.accessors
+        recorded = self.recorded
         if de.replies:
             replies = de.replies
             de.replies = []
@@ -960,10 +972,12 @@ class Cluster:
                     continue
                 if self._tracing:
                     self._trace(f"{de.name}.{rank}", "recv", repr(msg))
-                if self.recorded is not None:
+                if recorded is not None:
                     self._rec(accessors[rank], now, "receive", {"hex": data.hex()})
-                for out in accessors[rank].receive(now, msg):
-                    self._d_output(de, rank, out)
+                outs = accessors[rank].receive(now, msg)
+                if outs:
+                    for out in outs:
+                        self._d_output(de, rank, out)
         if de.transfers:
             done = [req for req in de.transfers if req.xfer_end <= t]
             if done:
@@ -971,10 +985,12 @@ class Cluster:
                 for req in done:
                     self._transfer_done(de, now, req)
         for r, acc in enumerate(accessors):
-            if self.recorded is not None:
+            if recorded is not None:
                 self._rec(acc, now, "handle_timeout")
-            for out in acc.handle_timeout(now):
-                self._d_output(de, r, out)
+            outs = acc.handle_timeout(now)
+            if outs:
+                for out in outs:
+                    self._d_output(de, r, out)
         if self.policy is Policy.VLLM_HB and de.hb_due <= t:
             self._vllm_heartbeat(de)
         if stepped:
@@ -986,11 +1002,12 @@ class Cluster:
                     self._finish(de, req)
                 finishing.clear()
             while finishing and finishing[0][0] <= de.steps:
-                _, _, key = heapq.heappop(finishing)
+                _, _, key = _heappop(finishing)
                 req_done = de.running.get(key)
                 if req_done is not None:
                     self._finish(de, req_done)
-        self._schedule(de, now)
+        if de.waiting:
+            self._schedule(de, now)
         if de.running or de.stall_until > t:
             wl = self.sc.workload
             duration = wl.step_base + wl.step_per_seq * len(de.running)
@@ -999,7 +1016,11 @@ class Cluster:
                 if self._tracing:
                     self._trace(de.name, "stall", f"until {de.stall_until:.9f}")
             de.stall_until = 0.0
-            self._start_step(de, duration)
+            # `_start_step` inlined: a decode engine's forward pass is the commonest event.
+            de.stepping = True
+            de.wake_at = _INF
+            end = de.step_end = t + duration
+            _heappush(self._heap, (end, next(self._seqs), self._step_done, (de, de.gen, end)))
             return
         nd = _INF
         for req in de.transfers:
