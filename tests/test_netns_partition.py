@@ -85,7 +85,7 @@ def test_partition_expires_and_frees_then_heal_serves_new_requests(two_hosts: tu
               f"{bound:.3f} s); accessor reported lost {lost['t'] - cut:.3f} s after the cut ({lost['reason']})")
         assert free["reason"] == "expired"
         assert free["t"] - last_hb <= bound
-        assert lost["t"] - cut <= CFG.accessor_extension + CFG.heartbeat_interval + SLACK
+        assert lost["t"] - cut <= CFG.kv_lease_duration + SLACK
         assert not d.find(lambda e: e["ev"] == "AccessCompleted")
 
         _ip("-n", ns_p, "link", "set", veth_p, "up")  # heal

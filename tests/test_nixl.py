@@ -333,7 +333,8 @@ def test_pinner_crash_accessor_reports_lost(pair: tuple[Peer, Peer]) -> None:
     for key in ("p-pull", "p-push"):
         lost = accessor.wait("lost", timeout=2 * LEASE, match=lambda e, k=key: e["key"] == k)
         print(f"\n{key}: accessor reported lost ({lost['reason']}) {lost['t'] - killed:.3f} s after the pinner died")
-        assert lost["t"] - killed <= LEASE * 2 / 3 + LEASE / 6 + STEP_SLACK
+        # Given up one lease duration after the last acknowledged heartbeat was sent.
+        assert lost["t"] - killed <= LEASE + STEP_SLACK
     # The accessor is still responsive and refuses to read from the dead pinner.
     accessor.send(cmd="read", key="p-pull", region="r-p-pull", nbytes=4096)
     assert not accessor.wait("decision", timeout=5)["allowed"]

@@ -155,7 +155,9 @@ def test_pinner_crash_reports_lost_and_does_not_hang(pair: tuple[Agent, Agent]) 
     killed = p.kill()
     r = d.request("read", "access", key="busy", size=64 * 1024)  # the READ can never finish
     assert r["allowed"], r
-    bound = CFG.accessor_extension + IVL + d_transfer_timeout() + SLACK
+    # A lease is given up one lease duration after its last acknowledged heartbeat was sent
+    # (the busy one only once its hung READ has timed out).
+    bound = CFG.kv_lease_duration + IVL + d_transfer_timeout() + SLACK
     for key in ("idle", "busy"):
         lost = d.wait_for(lambda e, k=key: e["ev"] == "LeaseLost" and e["key"] == k, 15)
         print(f"\npinner SIGKILL: {key} reported lost after {lost['t'] - killed:.3f} s ({lost['reason']}, "
@@ -220,7 +222,7 @@ def test_push_pinner_crash_and_accessor_crash() -> None:
         p.wait_for(lambda e: e["ev"] == "hb" and e["count"] >= 2, 10)
         killed = p.kill()
         lost = d.wait_for(lambda e: e["ev"] == "LeaseLost" and e["key"] == "w", 15)
-        assert lost["t"] - killed <= CFG.accessor_extension + IVL + SLACK
+        assert lost["t"] - killed <= CFG.kv_lease_duration + SLACK
         assert d.request("write", "access", key="w", size=16, fill=1)["allowed"] is False
     finally:
         p.close()
