@@ -192,6 +192,7 @@ def _check_engine(v: str) -> str:
 _FAST_ENGINE_CHARS: Final = 64  # 64 characters are at most 256 UTF-8 bytes
 _INF: Final = math.inf
 _INT_ONLY: Final = frozenset((int,))
+_FAST_PACK_BUFFER: Final = 512  # grows if a message needs more
 
 
 def _fast_engine(v: object) -> bool:
@@ -222,38 +223,47 @@ def _fast_pack_ids(ids: object) -> list[int] | None:
 
 
 def _fast_encode_body(msg: Message) -> list[Any] | None:
-    """The encoded array of a hot-path message, or None to take the general path."""
+    """The encoded array of a hot-path message, or None to take the general path. The field
+    tests are `_fast_engine` / `_fast_uint` / `_fast_time`, inlined."""
     cls = type(msg)
     if cls is Heartbeat:
         assert isinstance(msg, Heartbeat)
+        engine, rank, inc, seq, t = msg.engine_id, msg.rank, msg.incarnation, msg.seq, msg.t_send
         if (
-            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
-            and _fast_uint(msg.seq) and _fast_time(msg.t_send)
+            type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
+            and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
+            and type(seq) is int and 0 <= seq < _U64 and type(t) is float and -_INF < t < _INF
         ):
             ids = _fast_pack_ids(msg.lease_ids)
             if ids is not None:
-                return [PROTOCOL_VERSION, _T_HEARTBEAT, msg.engine_id, msg.rank, msg.incarnation, msg.seq,
-                        msg.t_send, ids]
+                return [PROTOCOL_VERSION, _T_HEARTBEAT, engine, rank, inc, seq, t, ids]
     elif cls is HeartbeatAck:
         assert isinstance(msg, HeartbeatAck)
+        engine, rank, inc, seq = msg.engine_id, msg.rank, msg.incarnation, msg.seq
+        t_echo, t_recv, renewed = msg.t_echo, msg.t_recv, msg.renewed
         if (
-            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
-            and _fast_uint(msg.seq) and _fast_time(msg.t_echo) and _fast_time(msg.t_recv)
-            and _fast_uint(msg.renewed)
+            type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
+            and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
+            and type(seq) is int and 0 <= seq < _U64 and type(t_echo) is float and -_INF < t_echo < _INF
+            and type(t_recv) is float and -_INF < t_recv < _INF and type(renewed) is int and 0 <= renewed < _U64
         ):
             unknown, expired = _fast_pack_ids(msg.unknown), _fast_pack_ids(msg.expired)
             released, completed = _fast_pack_ids(msg.released), _fast_pack_ids(msg.completed)
             if unknown is not None and expired is not None and released is not None and completed is not None:
-                return [PROTOCOL_VERSION, _T_HEARTBEAT_ACK, msg.engine_id, msg.rank, msg.incarnation, msg.seq,
-                        msg.t_echo, msg.t_recv, msg.renewed, unknown, expired, released, completed]
+                return [PROTOCOL_VERSION, _T_HEARTBEAT_ACK, engine, rank, inc, seq, t_echo, t_recv, renewed,
+                        unknown, expired, released, completed]
     elif cls is AccessDone:
         assert isinstance(msg, AccessDone)
+        engine, rank, inc, lease_id, expected, t = (
+            msg.engine_id, msg.rank, msg.incarnation, msg.lease_id, msg.expected, msg.t_send
+        )
         if (
-            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
-            and _fast_uint(msg.lease_id) and _fast_uint(msg.expected) and _fast_time(msg.t_send)
+            type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
+            and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
+            and type(lease_id) is int and 0 <= lease_id < _U64 and type(expected) is int and 0 <= expected < _U64
+            and type(t) is float and -_INF < t < _INF
         ):
-            return [PROTOCOL_VERSION, _T_ACCESS_DONE, msg.engine_id, msg.rank, msg.incarnation, msg.lease_id,
-                    msg.expected, bool(msg.confirm), msg.t_send]
+            return [PROTOCOL_VERSION, _T_ACCESS_DONE, engine, rank, inc, lease_id, expected, bool(msg.confirm), t]
     elif cls is AccessDoneAck:
         assert isinstance(msg, AccessDoneAck)
         if (
@@ -269,7 +279,9 @@ def encode(msg: Message) -> bytes:
     """Encode one message; raises `EncodeError` for values the wire cannot carry."""
     fast = _fast_encode_body(msg)
     if fast is not None:
-        packed_fast: bytes = msgpack.packb(fast, use_bin_type=True)
+        # `packb` builds a Packer with a 256 KiB buffer per call (most of an encode's cost);
+        # a fresh small one per call packs the same bytes and stays thread-safe.
+        packed_fast: bytes = msgpack.Packer(use_bin_type=True, buf_size=_FAST_PACK_BUFFER).pack(fast)
         return MAGIC + packed_fast
     body: list[Any]
     match msg:
@@ -399,34 +411,53 @@ def _fast_ids(v: object) -> tuple[int, ...] | None:
     return out if out[-1] < _U64 else None
 
 
+# The fast decoders inline `_fast_engine` / `_fast_uint` / `_fast_time` (a call per field is
+# most of their cost); they are the same tests.
+
+
 def _fast_heartbeat(items: list[Any]) -> Message | None:
     _, _, engine, rank, inc, seq, t_send, ids = items
-    if _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(seq) and _fast_time(t_send):
+    if (
+        type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
+        and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
+        and type(seq) is int and 0 <= seq < _U64 and type(t_send) is float and -_INF < t_send < _INF
+    ):
         lease_ids = _fast_ids(ids)
         if lease_ids is not None:
-            return Heartbeat(engine, rank, inc, seq, t_send, lease_ids)
+            return Heartbeat(engine, rank, inc, seq, t_send, lease_ids)  # type: ignore[arg-type]
     return None
 
 
 def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
     _, _, engine, rank, inc, seq, t_echo, t_recv, renewed, u, e, r, c = items
     if (
-        _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(seq) and _fast_time(t_echo)
-        and _fast_time(t_recv) and _fast_uint(renewed)
+        type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
+        and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
+        and type(seq) is int and 0 <= seq < _U64 and type(t_echo) is float and -_INF < t_echo < _INF
+        and type(t_recv) is float and -_INF < t_recv < _INF and type(renewed) is int and 0 <= renewed < _U64
     ):
-        unknown, expired, released, completed = _fast_ids(u), _fast_ids(e), _fast_ids(r), _fast_ids(c)
+        # An ack's four lists are usually empty.
+        unknown = () if u == [] else _fast_ids(u)
+        expired = () if e == [] else _fast_ids(e)
+        released = () if r == [] else _fast_ids(r)
+        completed = () if c == [] else _fast_ids(c)
         if unknown is not None and expired is not None and released is not None and completed is not None:
-            return HeartbeatAck(engine, rank, inc, seq, t_echo, t_recv, renewed, unknown, expired, released, completed)
+            return HeartbeatAck(
+                engine, rank, inc, seq, t_echo, t_recv, renewed,  # type: ignore[arg-type]
+                unknown, expired, released, completed,
+            )
     return None
 
 
 def _fast_access_done(items: list[Any]) -> Message | None:
     _, _, engine, rank, inc, lease_id, expected, confirm, t_send = items
     if (
-        _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(lease_id)
-        and type(expected) is int and 1 <= expected <= 1 << 16 and type(confirm) is bool and _fast_time(t_send)
+        type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
+        and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
+        and type(lease_id) is int and 0 <= lease_id < _U64 and type(expected) is int and 1 <= expected <= 1 << 16
+        and type(confirm) is bool and type(t_send) is float and -_INF < t_send < _INF
     ):
-        return AccessDone(engine, rank, inc, lease_id, expected, confirm, t_send)
+        return AccessDone(engine, rank, inc, lease_id, expected, confirm, t_send)  # type: ignore[arg-type]
     return None
 
 
@@ -435,18 +466,23 @@ _OUTCOMES: Final = {int(o): o for o in AccessOutcome}
 
 def _fast_access_done_ack(items: list[Any]) -> Message | None:
     _, _, engine, rank, inc, lease_id, outcome = items
-    if _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(lease_id) and type(outcome) is int:
+    if (
+        type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
+        and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
+        and type(lease_id) is int and 0 <= lease_id < _U64 and type(outcome) is int
+    ):
         verdict = _OUTCOMES.get(outcome)
         if verdict is not None:
             return AccessDoneAck(engine, rank, inc, lease_id, verdict)
     return None
 
 
-_FAST_DECODERS: Final[dict[int, Callable[[list[Any]], Message | None]]] = {
-    _T_HEARTBEAT: _fast_heartbeat,
-    _T_HEARTBEAT_ACK: _fast_heartbeat_ack,
-    _T_ACCESS_DONE: _fast_access_done,
-    _T_ACCESS_DONE_ACK: _fast_access_done_ack,
+#: type -> (array length, fast decoder)
+_FAST_DECODERS: Final[dict[int, tuple[int, Callable[[list[Any]], Message | None]]]] = {
+    _T_HEARTBEAT: (2 + _ARITY[_T_HEARTBEAT], _fast_heartbeat),
+    _T_HEARTBEAT_ACK: (2 + _ARITY[_T_HEARTBEAT_ACK], _fast_heartbeat_ack),
+    _T_ACCESS_DONE: (2 + _ARITY[_T_ACCESS_DONE], _fast_access_done),
+    _T_ACCESS_DONE_ACK: (2 + _ARITY[_T_ACCESS_DONE_ACK], _fast_access_done_ack),
 }
 
 
@@ -474,6 +510,17 @@ def decode(data: bytes, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
         )
     except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, ...)
         raise DecodeError(f"malformed msgpack body: {type(exc).__name__}: {exc}") from None
+    if type(items) is list and len(items) > 2 and type(items[0]) is int and items[0] == PROTOCOL_VERSION:
+        mtype = items[1]
+        fast = _FAST_DECODERS.get(mtype) if type(mtype) is int else None
+        if fast is not None and len(items) == fast[0]:
+            # Exactly the frames the checks below pass on to `_decode_fields` for this type.
+            try:
+                msg = fast[1](items)
+            except Exception as exc:  # defensive, as below: nothing but DecodeError escapes
+                raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}") from None
+            if msg is not None:
+                return msg
     if not isinstance(items, list) or len(items) < 2:
         raise DecodeError(f"expected an array [version, type, ...], got {type(items).__name__}")
     version, mtype = items[0], items[1]
@@ -484,11 +531,6 @@ def decode(data: bytes, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
     if len(items) != 2 + _ARITY[mtype]:
         raise DecodeError(f"message type {mtype} expects {_ARITY[mtype]} fields, got {len(items) - 2}")
     try:
-        fast = _FAST_DECODERS.get(mtype)
-        if fast is not None:
-            msg = fast(items)
-            if msg is not None:
-                return msg
         return _decode_fields(mtype, items)
     except DecodeError:
         raise
