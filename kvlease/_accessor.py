@@ -64,6 +64,10 @@ class TrackedState(enum.Enum):
     LOST = "lost"  # the lease is gone; an access in flight will be reported stale
 
 
+#: The states whose leases a periodic heartbeat renews.
+_HEARTBEATING = (TrackedState.WAITING, TrackedState.ACCESSING)
+
+
 @attrs.frozen
 class AccessDecision:
     """The answer to `Accessor.begin_access`."""
@@ -186,7 +190,10 @@ class Accessor:
 
     def handle_timeout(self, now: LocalTime) -> tuple[AccessorOutput, ...]:
         """Send due heartbeats and handshakes, and report leases whose validity lapsed."""
-        self._advance(now)
+        # `_advance`, inlined: a driver calls this on every forward pass of every rank.
+        if now < self._now or now != now:
+            raise LocalProtocolError(f"time ran backwards: now={now} after {self._now}")
+        self._now = now
         out: list[AccessorOutput] = []
         for eng in self._engines.values():
             if not eng.leases:
@@ -198,14 +205,15 @@ class Accessor:
             elif eng.next_heartbeat <= now:
                 eng.new_ids.clear()
                 eng.next_heartbeat = now + self.config.heartbeat_interval
-                live = (TrackedState.WAITING, TrackedState.ACCESSING)
-                ids = [i for (inc, i), t in eng.leases.items() if t.state in live and inc == eng.incarnation]
+                ids = [i for (inc, i), t in eng.leases.items() if t.state in _HEARTBEATING and inc == eng.incarnation]
                 self._send_heartbeats(now, eng, sorted(ids), out)
             elif eng.new_ids:
                 ids = sorted(i for inc, i in eng.new_ids if inc == eng.incarnation)
                 eng.new_ids.clear()
                 self._send_heartbeats(now, eng, ids, out)
         checks = self._checks
+        if not out and (not checks or checks[0][0] > now):
+            return ()  # nothing due: the common case
         while checks and checks[0][0] <= now:
             _, key = heapq.heappop(checks)
             t = self._tracked.get(key)
@@ -236,10 +244,7 @@ class Accessor:
         # answer decides. Give up only after a whole lease duration without any acknowledgement
         # (since the last acknowledged heartbeat was sent, or since tracking): the pinner is
         # then dead or unreachable, and would have expired the lease.
-        if t.valid_until == float("-inf"):
-            anchor = t.tracked_at
-        else:
-            anchor = t.valid_until - self.config.accessor_extension
+        anchor = t.tracked_at if t.valid_until == float("-inf") else t.valid_until - self.config.accessor_extension
         return anchor + self.config.kv_lease_duration
 
     # -- local calls ------------------------------------------------------------------------

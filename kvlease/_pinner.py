@@ -184,6 +184,11 @@ class Pinner:
         """Expire every lease whose deadline has passed. Safe to call at any time."""
         self._advance(now)
         heap = self._heap
+        if not heap or heap[0][0] > now:
+            # Nothing due: the common case (a driver calls this every forward pass).
+            if len(heap) > 2 * len(self._leases) + 64:
+                self._compact()
+            return ()
         out: list[PinnerOutput] = []
         while heap and heap[0][0] <= now:
             _, lease_id = heapq.heappop(heap)
@@ -199,9 +204,13 @@ class Pinner:
             else:
                 out.append(self._end(lease, EndReason.RELEASED if lease.released else EndReason.EXPIRED, now))
         if len(heap) > 2 * len(self._leases) + 64:
-            self._heap = [(lease.expiry, lid) for lid, lease in self._leases.items()]
-            heapq.heapify(self._heap)
+            self._compact()
         return tuple(out)
+
+    def _compact(self) -> None:
+        """Drop the entries ended leases left behind (bounds the heap at 2x live + 64)."""
+        self._heap = [(lease.expiry, lid) for lid, lease in self._leases.items()]
+        heapq.heapify(self._heap)
 
     # -- local calls ------------------------------------------------------------------------
 
