@@ -483,12 +483,14 @@ class Accessor:
             eng.connected = False
             eng.handshake_due = now
             return tuple(out)
-        for reason, ids in (
+        # Usually all four lists are empty: skip building the loop then.
+        lists = (
             (LostReason.UNKNOWN, ack.unknown),
             (LostReason.EXPIRED, ack.expired),
             (LostReason.RELEASED, ack.released),
             (None, ack.completed),
-        ):
+        ) if ack.unknown or ack.expired or ack.released or ack.completed else ()
+        for reason, ids in lists:
             for lease_id in ids:
                 rec.missing.add(lease_id)
                 lost = eng.leases.get((rec.incarnation, lease_id))

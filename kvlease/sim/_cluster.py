@@ -364,6 +364,8 @@ class Cluster:
         # Hot paths test these flags before building a trace line or a recorded step, so a
         # plain run never formats strings or dicts it throws away.
         self._tracing = trace
+        self._native = policy is Policy.KVLEASE  # kvlease frames on the wire (else vLLM's)
+        self._vllm_hb = policy is Policy.VLLM_HB
         #: With `record`: every call made on a core object, as conformance-vector steps
         #: (spec/vectors/README.md), and the endpoints they address.
         self.recorded: list[dict[str, Any]] | None = [] if record else None
@@ -828,7 +830,7 @@ class Cluster:
             self._poke(pe, max(self.now, pe.clock.real(nd)))
 
     def _p_receive(self, pe: _PEngine, now: LocalTime, rank: int, data: bytes) -> None:
-        if pe.pinners and self.policy is Policy.KVLEASE:
+        if self._native and pe.pinners:
             try:
                 msg = decode(data)
             except DecodeError as exc:
@@ -993,12 +995,13 @@ class Cluster:
                 if outs:
                     for out in outs:
                         self._d_output(de, rank, out)
-        if de.transfers:
-            done = [req for req in de.transfers if req.xfer_end <= t]
-            if done:
+        for req in de.transfers:
+            if req.xfer_end <= t:  # some transfer ended
+                done = [req for req in de.transfers if req.xfer_end <= t]
                 de.transfers = [req for req in de.transfers if req.xfer_end > t]
-                for req in done:
-                    self._transfer_done(de, now, req)
+                for ended in done:
+                    self._transfer_done(de, now, ended)
+                break
         for r, acc in enumerate(accessors):
             if recorded is not None:
                 self._rec(acc, now, "handle_timeout")
@@ -1006,7 +1009,7 @@ class Cluster:
             if outs:
                 for out in outs:
                     self._d_output(de, r, out)
-        if self.policy is Policy.VLLM_HB and de.hb_due <= t:
+        if self._vllm_hb and de.hb_due <= t:
             self._vllm_heartbeat(de)
         if stepped:
             de.steps += 1
