@@ -1038,7 +1038,7 @@ class Cluster:
                 req_done = de.running.get(key)
                 if req_done is not None:
                     self._finish(de, req_done)
-        if de.waiting:
+        if de.waiting and de.slots > len(de.running) + len(de.transfers):  # a slot is free
             self._schedule(de, now)
         if de.running or de.stall_until > t:
             wl = self.sc.workload
