@@ -367,6 +367,9 @@ class Cluster:
         self._tracing = trace
         self._native = policy is Policy.KVLEASE  # kvlease frames on the wire (else vLLM's)
         self._vllm_hb = policy is Policy.VLLM_HB
+        wl = scenario.workload
+        self._step_base = wl.step_base  # a decode forward pass: base + per-sequence time
+        self._step_per_seq = wl.step_per_seq
         #: With `record`: every call made on a core object, as conformance-vector steps
         #: (spec/vectors/README.md), and the endpoints they address.
         self.recorded: list[dict[str, Any]] | None = [] if record else None
@@ -1041,8 +1044,7 @@ class Cluster:
         if de.waiting and de.slots > len(de.running) + len(de.transfers):  # a slot is free
             self._schedule(de, now)
         if de.running or de.stall_until > t:
-            wl = self.sc.workload
-            duration = wl.step_base + wl.step_per_seq * len(de.running)
+            duration = self._step_base + self._step_per_seq * len(de.running)
             if de.stall_until > t:
                 duration = max(duration, de.stall_until - t)
                 if self._tracing:
