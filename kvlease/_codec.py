@@ -203,10 +203,6 @@ def _fast_uint(v: object) -> bool:
     return type(v) is int and 0 <= v < _U64
 
 
-def _fast_time(v: object) -> bool:
-    return type(v) is float and -_INF < v < _INF  # false for NaN and both infinities
-
-
 def _fast_pack_ids(ids: object) -> list[int] | None:
     """`_pack_ids` for a tuple of ints, or None to take the general path."""
     if type(ids) is not tuple:
@@ -224,7 +220,7 @@ def _fast_pack_ids(ids: object) -> list[int] | None:
 
 def _fast_encode_body(msg: Message) -> list[Any] | None:
     """The encoded array of a hot-path message, or None to take the general path. The field
-    tests are `_fast_engine` / `_fast_uint` / `_fast_time`, inlined."""
+    tests are `_fast_engine` / `_fast_uint` and a finite-float test, inlined."""
     cls = type(msg)
     if cls is Heartbeat:
         assert isinstance(msg, Heartbeat)
@@ -411,8 +407,8 @@ def _fast_ids(v: object) -> tuple[int, ...] | None:
     return out if out[-1] < _U64 else None
 
 
-# The fast decoders inline `_fast_engine` / `_fast_uint` / `_fast_time` (a call per field is
-# most of their cost); they are the same tests.
+# The fast decoders inline `_fast_engine` / `_fast_uint` and a finite-float test (a call per
+# field is most of their cost); they are the same tests.
 
 
 def _fast_heartbeat(items: list[Any]) -> Message | None:
