@@ -520,7 +520,7 @@ def decode(data: bytes, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
     if not isinstance(items, list) or len(items) < 2:
         raise DecodeError(f"expected an array [version, type, ...], got {type(items).__name__}")
     version, mtype = items[0], items[1]
-    if version != PROTOCOL_VERSION or isinstance(version, bool):
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise DecodeError(f"unsupported protocol version {version!r} (this peer speaks {PROTOCOL_VERSION})")
     if not isinstance(mtype, int) or isinstance(mtype, bool) or mtype not in _ARITY:
         raise DecodeError(f"unknown message type {mtype!r}")

@@ -260,3 +260,15 @@ def test_decode_accepts_integer_times() -> None:
     """Another implementation may send a whole-number time as an int; it means the same."""
     msg = decode(MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 7, [1, 2]]))
     assert msg == Heartbeat("e", 0, 0, 0, LocalTime(7.0), (1, 3))
+
+
+def test_a_float_version_is_not_version_1() -> None:
+    """msgpack floats compare equal to ints; the version must be the integer 1."""
+    import msgpack
+
+    from kvlease import DecodeError, decode
+
+    body = msgpack.packb([1.0, 7, "decode-0", 0, 5, [1], 1])
+    with pytest.raises(DecodeError, match="version"):
+        decode(b"\xc1\x4b" + body)
+    assert decode(b"\xc1\x4b" + msgpack.packb([1, 7, "decode-0", 0, 5, [1], 1])).lease_ids == (1,)  # type: ignore[union-attr]
