@@ -1,0 +1,118 @@
+"""The conformance runner and the in-process implementation judge malformed vectors and
+malformed driver requests precisely: a typed VectorFormatError or a reported mismatch, never a
+pass and never a crash of the runner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvlease.conformance._core import CoreImplementation, VectorFormatError
+from kvlease.conformance._runner import run_vector
+
+GOOD_SETUP: dict[str, Any] = {
+    "cmd": "setup",
+    "config": {"kv_lease_duration": 6.0},
+    "endpoints": {
+        "P": {"role": "pinner", "engine_id": "prefill-0", "incarnation": 7},
+        "D": {"role": "accessor", "engine_id": "decode-0"},
+    },
+}
+
+
+def _impl() -> CoreImplementation:
+    impl = CoreImplementation()
+    assert impl.call(GOOD_SETUP) == {"ok": True}
+    return impl
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        {"cmd": "nonsense"},
+        {"cmd": "setup", "config": None, "endpoints": {}},
+        {"cmd": "setup", "config": {}, "endpoints": {"P": "pinner"}},
+        {"cmd": "setup", "config": {}, "endpoints": {"X": {"role": "router", "engine_id": "x"}}},
+        {"cmd": "setup", "config": {}, "endpoints": {"P": {"role": "pinner", "engine_id": 5, "incarnation": 1}}},
+        {"cmd": "setup", "config": {}, "endpoints": {"P": {"role": "pinner", "engine_id": "p", "incarnation": "x"}}},
+        {"cmd": "decode", "codec": "morse", "hex": "00"},
+        {"cmd": "decode", "hex": 5},
+        {"cmd": "decode", "hex": "zz"},
+        {"cmd": "step", "endpoint": "nobody", "now": 1.0, "op": "handle_timeout", "args": {}},
+        {"cmd": "step", "endpoint": "P", "now": "soon", "op": "handle_timeout", "args": {}},
+        {"cmd": "step", "endpoint": "P", "now": 1.0, "op": 7, "args": {}},
+        {"cmd": "step", "endpoint": "P", "now": 1.0, "op": "handle_timeout", "args": []},
+        {"cmd": "step", "endpoint": "P", "now": 1.0, "op": "teleport", "args": {}},
+        {"cmd": "step", "endpoint": "D", "now": 1.0, "op": "teleport", "args": {}},
+        {"cmd": "step", "endpoint": "P", "now": 1.0, "op": "release", "args": {"lease_id": "one"}},
+        {"cmd": "step", "endpoint": "D", "now": 1.0, "op": "untrack", "args": {"key": 3}},
+        {"cmd": "step", "endpoint": "P", "now": 1.0, "op": "receive", "args": {"hex": "not hex"}},
+    ],
+)
+def test_malformed_requests_are_a_vector_format_error(request_: dict[str, Any]) -> None:
+    with pytest.raises(VectorFormatError):
+        _impl().call(request_)
+
+
+def test_protocol_errors_are_answered_as_errors_not_raised() -> None:
+    impl = _impl()
+    resp = impl.call({"cmd": "decode", "hex": "c14b00"})
+    assert resp["ok"] is False and resp["error"]["class"] == "DecodeError"
+    resp = impl.call({"cmd": "step", "endpoint": "P", "now": 5.0, "op": "handle_timeout", "args": {}})
+    assert resp["ok"] is True
+    back = impl.call({"cmd": "step", "endpoint": "P", "now": 1.0, "op": "handle_timeout", "args": {}})
+    assert back["ok"] is False and back["error"]["class"] == "LocalProtocolError"
+
+
+def _trace(**over: Any) -> dict[str, Any]:
+    v: dict[str, Any] = {
+        "format": "kvlease-vector/1",
+        "kind": "trace",
+        "name": "t",
+        "config": GOOD_SETUP["config"],
+        "endpoints": GOOD_SETUP["endpoints"],
+        "steps": [],
+    }
+    v.update(over)
+    return v
+
+
+class _Raises:
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("driver died")
+
+
+class _NotADict:
+    def call(self, request: dict[str, Any]) -> Any:
+        return ["ok"]
+
+
+class _RefusesSetup:
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": False, "error": {"class": "ConfigError"}}
+
+
+def test_runner_reports_malformed_vectors_and_broken_implementations() -> None:
+    from kvlease.conformance import VECTOR_FORMAT
+
+    fmt = VECTOR_FORMAT
+    assert run_vector(_trace(format="other/9"), _impl()).mismatch is not None
+    assert run_vector(_trace(format=fmt, kind="poem"), _impl()).mismatch is not None
+    assert run_vector(_trace(format=fmt, steps=["not a step"]), CoreImplementation()).mismatch is not None
+    for impl in (_Raises(), _NotADict(), _RefusesSetup()):
+        res = run_vector(_trace(format=fmt), impl)  # type: ignore[arg-type]
+        assert res.mismatch is not None and res.mismatch.label == "setup"
+        assert res.mismatch.render()
+    codec = {"format": fmt, "kind": "codec", "name": "c", "cases": ["nope"]}
+    assert run_vector(codec, CoreImplementation()).mismatch is not None
+    bad_expect = {"format": fmt, "kind": "codec", "name": "c", "cases": [{"hex": "c14b00", "expect": 3}]}
+    assert run_vector(bad_expect, CoreImplementation()).mismatch is not None
+    wants_error = {"format": fmt, "kind": "codec", "name": "c",
+                   "cases": [{"hex": "c14b9801030000", "expect": {"error": {"class": "EncodeError"}}}]}
+    assert run_vector(wants_error, CoreImplementation()).mismatch is not None
+    wants_ok = {"format": fmt, "kind": "codec", "name": "c", "cases": [{"hex": "c14b00", "expect": {"message": {}}}]}
+    assert run_vector(wants_ok, CoreImplementation()).mismatch is not None
+    for impl in (_Raises(), _NotADict()):
+        res = run_vector({"format": fmt, "kind": "codec", "name": "c", "cases": [{"hex": "00", "expect": {}}]}, impl)  # type: ignore[arg-type]
+        assert res.mismatch is not None
