@@ -542,10 +542,8 @@ class Pair:
                 # converted deadline, or one lease duration after the send time of the last
                 # acknowledged heartbeat of a renewable one (a lapsed window alone is not a loss).
                 cfg = self.accessor.config
-                if rec.kind is LeaseKind.FIXED_TTL:
-                    give_up = v
-                else:
-                    give_up = v - cfg.accessor_extension + cfg.kv_lease_duration
+                renewable = rec.kind is not LeaseKind.FIXED_TTL
+                give_up = v + (cfg.kv_lease_duration - cfg.accessor_extension if renewable else 0.0)
                 and_nd = self.accessor.next_deadline()
                 if and_nd is None or and_nd > give_up + TIME_TOLERANCE:
                     raise InvariantViolation(
