@@ -122,7 +122,11 @@ class ZmqTransport:
     ) -> None:
         self._engine_id = engine_id
         self._rank = rank
-        self._ctx = context if context is not None else zmq.Context.instance()
+        # Our own context unless one is shared in: closing then terminates it, which returns only
+        # once ZMQ's I/O thread has really closed the sockets, so a restarted engine can bind the
+        # same address at once (with the shared global context the unbind happens later).
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context()
         self._heartbeat_ivl_ms = heartbeat_ivl_ms
         self._sndhwm = sndhwm
         self._ident = _identity(engine_id, rank)
@@ -489,3 +493,5 @@ class ZmqTransport:
         self._dealers.clear()
         self._hs_dealers.clear()
         self._router.close(linger=0)
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)  # closes any socket still open, then terminates
