@@ -129,7 +129,7 @@ def bench_round_trip(n: int, burst: int) -> dict[str, float]:
 def bench_step_overhead(n_requests: int, seconds: float) -> dict[str, float]:
     pt = ZmqTransport("P")
     p = Driver(pt, pinner=Pinner(CFG, "P", random.getrandbits(63)))
-    d = Driver(ZmqTransport("D"), accessor=Accessor(CFG, "D"))
+    d = Driver(ZmqTransport("D"), accessor=Accessor(CFG, "D", session=7))
     for i in range(n_requests):
         d.track(f"r{i}", p.grant(f"r{i}"), address=pt.address)
     assert d.accessor is not None

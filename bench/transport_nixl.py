@@ -42,7 +42,7 @@ def serve(role: str) -> None:
     """The peer process: `echo` bounces notifications; `pin` grants leases on two tensors."""
     import torch
     from kvlease.transports._base import HandshakeRequest
-    from kvlease.transports._driver import Driver
+    from kvlease.transports._driver import Driver, new_session
     from kvlease.transports.nixl import NixlTransport
 
     from kvlease import LeaseConfig, Pinner
@@ -210,14 +210,14 @@ def _leased_read(driver: Any, key: str, region: str, into: Any) -> float:
 
 def bench_reads(reps: dict[str, int]) -> dict[str, dict[str, float]]:
     import torch
-    from kvlease.transports._driver import Driver
+    from kvlease.transports._driver import Driver, new_session
     from kvlease.transports.nixl import NixlTransport
 
     from kvlease import Accessor, LeaseConfig, LeaseTicket
 
     peer = Peer("pin")
-    tr = NixlTransport("bench-reader")
-    driver = Driver(tr, accessor=Accessor(LeaseConfig(kv_lease_duration=LEASE), "bench-reader"))
+    tr = NixlTransport("bench-reader", session=new_session())
+    driver = Driver(tr, accessor=Accessor(LeaseConfig(kv_lease_duration=LEASE), "bench-reader", session=new_session()))
     results: dict[str, dict[str, float]] = {}
     try:
         for region, n in reps.items():

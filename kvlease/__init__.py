@@ -6,9 +6,9 @@ engine adapters (`kvlease.adapters`) load only when imported, behind extras.
 """
 
 from ._accessor import AccessDecision, Accessor, TrackedState
-from ._clock import ClockOffsetEstimator, ClockSample, LocalTime, OffsetEstimate, PeerTime
+from ._clock import MAX_TIME, ClockOffsetEstimator, ClockSample, LocalTime, OffsetEstimate, PeerTime
 from ._codec import decode, encode, is_native_frame, split_ids
-from ._config import LeaseConfig
+from ._config import MIN_MESSAGE_BYTES, MIN_VALIDITY_MARGIN, LeaseConfig
 from ._errors import (
     ConfigError,
     DecodeError,
@@ -32,6 +32,7 @@ from ._events import (
     Rejected,
     Send,
 )
+from ._layout import MAX_RANKS, TpLayout, tp_layout
 from ._messages import (
     PROTOCOL_VERSION,
     AccessDone,
@@ -53,6 +54,10 @@ from ._vllm_compat import VllmAccessDone, VllmHeartbeat, decode_vllm, encode_vll
 __version__ = "0.1.0"
 
 __all__ = [
+    "MAX_RANKS",
+    "MAX_TIME",
+    "MIN_MESSAGE_BYTES",
+    "MIN_VALIDITY_MARGIN",
     "PROTOCOL_VERSION",
     "AccessCompleted",
     "AccessDecision",
@@ -97,6 +102,7 @@ __all__ = [
     "Release",
     "RemoteProtocolError",
     "Send",
+    "TpLayout",
     "TrackedState",
     "VllmAccessDone",
     "VllmHeartbeat",
@@ -108,4 +114,5 @@ __all__ = [
     "encode_vllm_heartbeat",
     "is_native_frame",
     "split_ids",
+    "tp_layout",
 ]

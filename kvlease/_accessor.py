@@ -1,9 +1,9 @@
 """The accessor: the side that will read (pull) or write (push) a pinner's memory.
 
 It tracks a request from the moment it enters the scheduler, groups leases by pinner engine,
-sends one batched heartbeat per engine per interval (split to the size bound, fanned out to
-every worker of that engine), asks for a handshake with engines not yet connected, and learns
-from acknowledgements which leases the pinner no longer holds.
+sends one batched heartbeat per engine per interval (split to the size bound, to each pinner
+rank this accessor rank accesses), asks for a handshake with engines not yet connected, and
+learns from acknowledgements which leases the pinner no longer holds.
 
 Validity (Gray & Cheriton): an acknowledged heartbeat sent at local time ``t`` proves the lease
 live until ``t + accessor_extension`` in *our* clock — the extension shrunk for drift and a margin
@@ -12,6 +12,13 @@ window, or if the pinner confirms it handled the access-done while the lease was
 else is reported stale. A push-mode WRITE is never started unless the window covers the
 access-time bound. Fixed-TTL leases are valid until the pinner's deadline converted to our clock
 conservatively by `ClockOffsetEstimator`.
+
+Identity: every reply it trusts is bound to the message it answers — the accessor's rank, its
+session (a random incarnation per accessor process) and a per-session sequence number that never
+repeats — so a reply meant for a sibling rank, an earlier session, an earlier connection or an
+earlier access attempt confers nothing. A lease it gave up (untracked, completed, lost, or whose
+posted transfer failed) is never tracked again, because a message it sent about that lease may
+still be in flight and end the lease under a later access.
 
 Never reads a clock, never does I/O.
 """
@@ -24,7 +31,7 @@ from collections import OrderedDict
 
 import attrs
 
-from ._clock import ClockOffsetEstimator, ClockSample, LocalTime, PeerTime
+from ._clock import MAX_TIME, ClockOffsetEstimator, ClockSample, LocalTime, PeerTime, check_time
 from ._codec import MIN_ID_BUDGET, heartbeat_id_budget, split_ids
 from ._config import LeaseConfig
 from ._errors import ConfigError, LocalProtocolError
@@ -38,6 +45,7 @@ from ._events import (
     Rejected,
     Send,
 )
+from ._layout import MAX_RANKS, TpLayout, layout_error, tp_layout
 from ._messages import (
     ALL_CAPABILITIES,
     PROTOCOL_VERSION,
@@ -55,6 +63,9 @@ from ._messages import (
 )
 
 __all__ = ["AccessDecision", "Accessor", "TrackedState"]
+
+_U64 = 1 << 64
+_NEG_INF = float("-inf")
 
 
 class TrackedState(enum.Enum):
@@ -84,15 +95,17 @@ class AccessDecision:
     notification: AccessDone | None = None
     #: The pinner ranks this accessor rank accesses (and notifies), for heterogeneous TP.
     targets: tuple[int, ...] = ()
+    #: The pinner engine the access goes to.
+    engine_id: str = ""
 
 
 class _Tracked:
     __slots__ = (
-        "attached_confirm", "confirm_pending", "early_verdicts", "engine", "incarnation", "key", "kind",
-        "lease_id", "push", "state", "tracked_at", "valid_until",
+        "attached_confirm", "attempt", "confirm_deadline", "confirm_pending", "early_verdicts", "engine",
+        "incarnation", "key", "kind", "lease_id", "push", "state", "tracked_at", "valid_until",
     )
 
-    def __init__(self, key: str, engine: _Engine, ticket: LeaseTicket, push: bool, now: float) -> None:
+    def __init__(self, key: str, engine: _PinnerEngine, ticket: LeaseTicket, push: bool, now: float) -> None:
         self.key = key
         self.engine = engine
         self.lease_id = ticket.lease_id
@@ -101,29 +114,33 @@ class _Tracked:
         self.push = push
         self.state = TrackedState.WAITING
         self.tracked_at = now
-        self.valid_until = float("-inf")
+        self.valid_until = _NEG_INF
+        self.attempt = 0  # the seq of the current access attempt's begin_access
+        self.confirm_deadline = _NEG_INF  # CONFIRMING: give up (stale) at this local time
         self.confirm_pending: set[int] = set()
         self.attached_confirm = False  # the notification handed out by begin_access asks to confirm
         # Verdicts on that attached notification that arrived before access_finished (a transport
-        # may report the transfer done after the pinner already answered).
+        # may report the transfer done after the pinner already answered), for this attempt only.
         self.early_verdicts: dict[int, AccessOutcome] | None = None
 
 
 class _Outstanding:
     __slots__ = ("ids", "incarnation", "missing", "pending_ranks", "t_send")
 
-    def __init__(self, t_send: float, incarnation: int, ids: tuple[int, ...], ranks: int) -> None:
+    def __init__(self, t_send: float, incarnation: int, ids: tuple[int, ...], ranks: range) -> None:
         self.t_send = t_send
         self.incarnation = incarnation
         self.ids = ids
-        self.pending_ranks = set(range(ranks))
+        self.pending_ranks = set(ranks)
         self.missing: set[int] = set()
 
 
-class _Engine:
+class _PinnerEngine:
+    """What this accessor rank knows of one pinner engine."""
+
     __slots__ = (
-        "clock", "connected", "deadlines", "engine_id", "handshake_due", "incarnation", "leases", "max_message_bytes",
-        "new_ids", "next_heartbeat", "outstanding", "ranks", "seq",
+        "clock", "connected", "deadlines", "engine_id", "handshake_due", "handshakes", "incarnation", "leases",
+        "max_message_bytes", "new_ids", "next_heartbeat", "outstanding", "ranks",
     )
 
     def __init__(self, engine_id: str, config: LeaseConfig, ranks: int) -> None:
@@ -131,26 +148,35 @@ class _Engine:
         self.connected = False
         self.incarnation: int | None = None
         self.ranks = ranks
-        self.seq = 0
         # Keyed by (incarnation, lease id): a restarted pinner reuses ids under a new incarnation.
         self.leases: dict[tuple[int, int], _Tracked] = {}
         self.deadlines: dict[tuple[int, int], PeerTime] = {}  # fixed-TTL deadlines, pinner clock
         self.new_ids: set[tuple[int, int]] = set()
         self.next_heartbeat = float("inf")
-        self.handshake_due = float("-inf")
+        self.handshake_due = _NEG_INF
+        # Handshakes sent and not yet answered: seq -> t_send. A reply counts only if it answers
+        # one of them; the first accepted reply retires them all (older ones are superseded).
+        self.handshakes: OrderedDict[int, float] = OrderedDict()
         self.outstanding: OrderedDict[int, _Outstanding] = OrderedDict()
         self.max_message_bytes = config.max_message_bytes  # lowered to the pinner's at handshake
         self.clock = ClockOffsetEstimator(config.max_drift_rate, config.clock_sample_window)
 
 
 class Accessor:
-    """The accessor side of the lease protocol for one worker (rank) of one engine."""
+    """The accessor side of the lease protocol for one worker (rank) of one engine.
 
-    def __init__(self, config: LeaseConfig, engine_id: str, *, rank: int = 0, ranks: int = 1) -> None:
+    `session` is this accessor's incarnation: a random 64-bit value that must differ between
+    restarts of the process (the pinner binds a lease to the session that first renews it, and
+    every reply echoes it). Ranks of one engine may share a session or use their own.
+    """
+
+    def __init__(self, config: LeaseConfig, engine_id: str, *, session: int, rank: int = 0, ranks: int = 1) -> None:
         if not engine_id:
             raise LocalProtocolError("engine_id must be a non-empty string")
-        if not 0 <= rank < ranks <= 1 << 16:
-            raise LocalProtocolError(f"need 0 <= rank < ranks <= 65536, got rank={rank} ranks={ranks}")
+        if not isinstance(session, int) or not 0 <= session < _U64:
+            raise LocalProtocolError(f"session must be a uint64, got {session!r}")
+        if not 0 <= rank < ranks <= MAX_RANKS:
+            raise LocalProtocolError(f"need 0 <= rank < ranks <= {MAX_RANKS}, got rank={rank} ranks={ranks}")
         budget = heartbeat_id_budget(config.max_message_bytes, engine_id, "")
         if budget < MIN_ID_BUDGET:
             need = config.max_message_bytes - budget + MIN_ID_BUDGET
@@ -159,21 +185,33 @@ class Accessor:
             )
         self.config = config
         self.engine_id = engine_id
+        self.session = session
         self.rank = rank
         self.ranks = ranks
-        self._engines: dict[str, _Engine] = {}
+        self._engines: dict[str, _PinnerEngine] = {}
         self._tracked: dict[str, _Tracked] = {}
         # (time to look at the lease again, key): a lower bound of when its validity lapses.
         self._checks: list[tuple[float, str]] = []
-        self._now = float("-inf")
+        self._now = _NEG_INF
+        self._seq = 0  # every handshake, heartbeat and access attempt takes the next one
+        # Leases this accessor gave up, in the order it did: never tracked again (a message it
+        # sent about one may still be in flight). Bounded; older ones fall under a watermark
+        # per (pinner engine, incarnation), and tickets at or below it are refused too.
+        self._retired: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        self._retired_floor: dict[tuple[str, int], int] = {}
 
     # -- time -------------------------------------------------------------------------------
 
     def _advance(self, now: LocalTime) -> float:
-        if now < self._now or now != now:
+        check_time(now)
+        if now < self._now:
             raise LocalProtocolError(f"time ran backwards: now={now} after {self._now}")
         self._now = now
         return now
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
 
     def next_deadline(self) -> LocalTime | None:
         best = self._checks[0][0] if self._checks else float("inf")
@@ -191,7 +229,9 @@ class Accessor:
     def handle_timeout(self, now: LocalTime) -> tuple[AccessorOutput, ...]:
         """Send due heartbeats and handshakes, and report leases whose validity lapsed."""
         # `_advance`, inlined: a driver calls this on every forward pass of every rank.
-        if now < self._now or now != now:
+        if not -MAX_TIME <= now <= MAX_TIME:
+            check_time(now)
+        if now < self._now:
             raise LocalProtocolError(f"time ran backwards: now={now} after {self._now}")
         self._now = now
         out: list[AccessorOutput] = []
@@ -201,7 +241,7 @@ class Accessor:
             if not eng.connected:
                 if eng.handshake_due <= now:
                     eng.handshake_due = now + self.config.heartbeat_interval
-                    out.append(HandshakeNeeded(eng.engine_id, self._handshake(now)))
+                    out.append(HandshakeNeeded(eng.engine_id, self._handshake(now, eng)))
             elif eng.next_heartbeat <= now:
                 eng.new_ids.clear()
                 eng.next_heartbeat = now + self.config.heartbeat_interval
@@ -234,9 +274,9 @@ class Accessor:
 
     def _lapse_time(self, t: _Tracked) -> float:
         if t.state is TrackedState.CONFIRMING:
-            return t.tracked_at  # reused as the confirmation deadline
+            return t.confirm_deadline
         if t.kind is LeaseKind.FIXED_TTL:
-            if t.valid_until == float("-inf"):
+            if t.valid_until == _NEG_INF:
                 return t.tracked_at + self.config.accessor_extension  # no converted deadline yet
             return t.valid_until
         # Renewable: a lapsed validity window only means we cannot *prove* the lease live (the
@@ -244,26 +284,48 @@ class Accessor:
         # answer decides. Give up only after a whole lease duration without any acknowledgement
         # (since the last acknowledged heartbeat was sent, or since tracking): the pinner is
         # then dead or unreachable, and would have expired the lease.
-        anchor = t.tracked_at if t.valid_until == float("-inf") else t.valid_until - self.config.accessor_extension
+        anchor = t.tracked_at if t.valid_until == _NEG_INF else t.valid_until - self.config.accessor_extension
         return anchor + self.config.kv_lease_duration
 
     # -- local calls ------------------------------------------------------------------------
 
     def track(self, now: LocalTime, key: str, ticket: LeaseTicket, *, push: bool = False) -> tuple[AccessorOutput, ...]:
-        """Start heartbeating for a request the moment it enters the scheduler."""
+        """Start heartbeating for a request the moment it enters the scheduler.
+
+        A lease is tracked at most once by one accessor: tracking a ticket this accessor
+        tracked before (after untrack, completion, loss or a failed transfer) raises
+        `LocalProtocolError` — a message about the earlier tracking may still be in flight and
+        end the lease under the new one; a fresh lease is needed. A ticket older than this
+        accessor's memory of given-up leases gives `LeaseLost(FORGOTTEN)` for the same reason.
+        """
         self._advance(now)
         if key in self._tracked:
             raise LocalProtocolError(f"request {key!r} is already tracked")
         if push and ticket.kind is LeaseKind.FIXED_TTL:
             raise LocalProtocolError("push mode is for renewable leases")
+        why = layout_error(ticket.ranks, self.ranks, self.rank)
+        if why is not None:
+            raise LocalProtocolError(f"lease {ticket.lease_id} of {ticket.engine_id!r}: {why}")
+        rkey = (ticket.engine_id, ticket.incarnation, ticket.lease_id)
+        if rkey in self._retired:
+            raise LocalProtocolError(
+                f"lease {ticket.lease_id} of {ticket.engine_id!r} was tracked before by this accessor and given up; "
+                "a message about it may still be in flight, so re-tracking it needs a fresh lease"
+            )
+        if ticket.lease_id <= self._retired_floor.get((ticket.engine_id, ticket.incarnation), 0):
+            return (LeaseLost(key, ticket.lease_id, LostReason.FORGOTTEN),)
         eng = self._engines.get(ticket.engine_id)
         if eng is None:
-            eng = self._engines[ticket.engine_id] = _Engine(ticket.engine_id, self.config, ticket.ranks)
+            eng = self._engines[ticket.engine_id] = _PinnerEngine(ticket.engine_id, self.config, ticket.ranks)
         lkey = (ticket.incarnation, ticket.lease_id)
         if lkey in eng.leases:
             raise LocalProtocolError(f"lease {ticket.lease_id} of {ticket.engine_id!r} is already tracked")
+        if eng.connected and eng.incarnation == ticket.incarnation and eng.ranks != ticket.ranks:
+            self._retire(rkey)
+            return (LeaseLost(key, ticket.lease_id, LostReason.UNKNOWN),)
         t = _Tracked(key, eng, ticket, push, now)
-        eng.ranks = ticket.ranks
+        if not eng.connected:
+            eng.ranks = ticket.ranks
         self._tracked[key] = t
         eng.leases[lkey] = t
         if eng.connected and eng.incarnation != ticket.incarnation:
@@ -281,7 +343,7 @@ class Accessor:
             eng.new_ids.add(lkey)
         elif eng.handshake_due <= now:
             eng.handshake_due = now + self.config.heartbeat_interval
-            out.append(HandshakeNeeded(eng.engine_id, self._handshake(now)))
+            out.append(HandshakeNeeded(eng.engine_id, self._handshake(now, eng)))
         return tuple(out)
 
     def untrack(self, now: LocalTime, key: str) -> tuple[AccessorOutput, ...]:
@@ -295,12 +357,9 @@ class Accessor:
         if t.state is TrackedState.ACCESSING:
             raise LocalProtocolError(f"request {key!r} has an access in flight: finish or fail it first")
         self._forget(t)
-        eng = t.engine
         if t.state is TrackedState.LOST:
             return ()
-        expected, targets = self._pinner_targets(eng)
-        msg = Release(self.engine_id, self.rank, t.incarnation, (t.lease_id,), expected)
-        return tuple(Send(eng.engine_id, r, msg) for r in targets)
+        return self._release(t)
 
     def begin_access(self, now: LocalTime, key: str) -> AccessDecision:
         """Ask before starting the READ (pull) or WRITE (push) of `key`'s memory.
@@ -313,35 +372,52 @@ class Accessor:
         t = self._tracked.get(key)
         if t is None:
             return AccessDecision(False, False, None, "not tracked (finished, lost, or never tracked)")
+        eng = t.engine
         if t.state is not TrackedState.WAITING:
-            return AccessDecision(False, False, None, f"lease is {t.state.value}")
-        if not t.engine.connected or t.engine.incarnation != t.incarnation:
-            return AccessDecision(False, False, None, "the pinner engine is not connected (handshake pending)")
+            return AccessDecision(False, False, None, f"lease is {t.state.value}", engine_id=eng.engine_id)
+        if not eng.connected or eng.incarnation != t.incarnation:
+            return AccessDecision(
+                False, False, None, "the pinner engine is not connected (handshake pending)", engine_id=eng.engine_id
+            )
         if t.kind is LeaseKind.FIXED_TTL:
-            self._refresh_fixed(now, t.engine, t)
-        valid = None if t.valid_until == float("-inf") else LocalTime(t.valid_until)
+            self._refresh_fixed(now, eng, t)
+        valid = None if t.valid_until == _NEG_INF else LocalTime(t.valid_until)
         guaranteed = valid is not None and now + self.config.access_time_local <= valid
         if t.push and not guaranteed:
-            return AccessDecision(False, False, valid, "validity window does not cover the access-time bound")
+            return AccessDecision(
+                False, False, valid, "validity window does not cover the access-time bound", engine_id=eng.engine_id
+            )
         t.state = TrackedState.ACCESSING
-        expected, targets = self._pinner_targets(t.engine)
+        t.attempt = self._next_seq()
+        t.early_verdicts = None
+        layout = self._layout(eng)
         # Not covered for the whole access: the attached notification asks the pinner to confirm.
         t.attached_confirm = not guaranteed
-        note = AccessDone(
-            self.engine_id, self.rank, t.incarnation, t.lease_id, expected, not guaranteed, LocalTime(now)
-        )
-        return AccessDecision(True, guaranteed, valid, "", note, tuple(targets))
+        note = self._access_done(t, not guaranteed, now)
+        return AccessDecision(True, guaranteed, valid, "", note, tuple(layout.targets), eng.engine_id)
 
-    def access_failed(self, now: LocalTime, key: str) -> tuple[AccessorOutput, ...]:
-        """The transfer failed at the transport; the lease stays tracked (retry or untrack)."""
+    def access_failed(self, now: LocalTime, key: str, *, posted: bool = True) -> tuple[AccessorOutput, ...]:
+        """The transfer failed at the transport.
+
+        `posted`: the transfer (with its attached notification) was handed to the transport.
+        Its notification may then still land — a cancel can race the completion — and end the
+        lease at the pinner, so the lease is given up: a `Release` goes to the pinner ranks and
+        `LeaseLost(ACCESS_FAILED)` tells the engine to fetch a fresh lease (recompute). With
+        ``posted=False`` nothing of the attempt can reach the pinner and the lease stays
+        tracked for a retry.
+        """
         self._advance(now)
         t = self._require(key, TrackedState.ACCESSING, TrackedState.LOST)
         if t.state is TrackedState.LOST:
             self._forget(t)
             return ()
-        t.state = TrackedState.WAITING
-        heapq.heappush(self._checks, (self._lapse_time(t), key))
-        return ()
+        t.early_verdicts = None
+        if not posted:
+            t.state = TrackedState.WAITING
+            heapq.heappush(self._checks, (self._lapse_time(t), key))
+            return ()
+        self._forget(t)
+        return (*self._release(t), LeaseLost(key, t.lease_id, LostReason.ACCESS_FAILED))
 
     def access_finished(self, now: LocalTime, key: str, *, notified: bool = False) -> tuple[AccessorOutput, ...]:
         """The READ/WRITE finished. Reports it complete only if it provably did not overlap a
@@ -354,16 +430,16 @@ class Accessor:
         self._advance(now)
         t = self._require(key, TrackedState.ACCESSING, TrackedState.LOST)
         eng = t.engine
-        expected, targets = self._pinner_targets(eng)
+        targets = self._layout(eng).targets
         if t.state is TrackedState.LOST:
             self._forget(t)
-            done = AccessDone(self.engine_id, self.rank, t.incarnation, t.lease_id, expected, False, LocalTime(now))
+            done = self._access_done(t, False, now)
             sends = () if notified else tuple(Send(eng.engine_id, r, done) for r in targets)
             return (*sends, AccessStale(key, t.lease_id, "the lease was lost during the access"))
         if t.kind is LeaseKind.FIXED_TTL:
             self._refresh_fixed(now, eng, t)
         covered = now < t.valid_until
-        done = AccessDone(self.engine_id, self.rank, t.incarnation, t.lease_id, expected, not covered, LocalTime(now))
+        done = self._access_done(t, not covered, now)
         resend = not notified or (not covered and not t.attached_confirm)
         out: list[AccessorOutput] = [Send(eng.engine_id, r, done) for r in targets] if resend else []
         if covered:
@@ -372,8 +448,8 @@ class Accessor:
         else:
             t.state = TrackedState.CONFIRMING
             t.confirm_pending = set(targets)
-            t.tracked_at = now + self.config.accessor_extension  # confirmation deadline
-            heapq.heappush(self._checks, (t.tracked_at, key))
+            t.confirm_deadline = now + self.config.accessor_extension
+            heapq.heappush(self._checks, (t.confirm_deadline, key))
             if not resend and t.early_verdicts:
                 for rank, outcome in t.early_verdicts.items():
                     out.extend(self._verdict(t, rank, outcome))
@@ -396,9 +472,14 @@ class Accessor:
         t = self._tracked.get(key)
         return None if t is None else t.state
 
+    def engine_of(self, key: str) -> str | None:
+        """The pinner engine a tracked request's lease is held by."""
+        t = self._tracked.get(key)
+        return None if t is None else t.engine.engine_id
+
     def valid_until(self, key: str) -> LocalTime | None:
         t = self._tracked.get(key)
-        return None if t is None or t.valid_until == float("-inf") else LocalTime(t.valid_until)
+        return None if t is None or t.valid_until == _NEG_INF else LocalTime(t.valid_until)
 
     def is_connected(self, engine_id: str) -> bool:
         eng = self._engines.get(engine_id)
@@ -415,18 +496,28 @@ class Accessor:
     # -- messages ---------------------------------------------------------------------------
 
     def handshake_reply(self, now: LocalTime, reply: HandshakeReply) -> tuple[AccessorOutput, ...]:
-        """Feed the pinner's handshake reply (from the side channel)."""
+        """Feed the pinner's handshake reply (from the side channel). Only a reply to a
+        handshake this accessor sent, and has not yet seen answered, counts."""
         self._advance(now)
+        if reply.to_rank != self.rank or reply.to_session != self.session:
+            return (Rejected(reply.engine_id, f"handshake reply for rank {reply.to_rank} session {reply.to_session}"),)
         eng = self._engines.get(reply.engine_id)
-        if eng is None:
-            eng = self._engines[reply.engine_id] = _Engine(reply.engine_id, self.config, reply.ranks)
+        if eng is None or eng.handshakes.get(reply.seq) != reply.t_echo:
+            return ()  # a duplicate, superseded or forged reply: it answers no handshake of ours
         if reply.version != PROTOCOL_VERSION:
             return (Rejected(reply.engine_id, f"pinner speaks version {reply.version}, we speak {PROTOCOL_VERSION}"),)
-        if not reply.t_echo <= now or not reply.t_recv <= reply.t_send:
+        if (
+            not reply.t_echo <= now or not reply.t_recv <= reply.t_send
+            or not -MAX_TIME <= reply.t_recv <= MAX_TIME or not -MAX_TIME <= reply.t_send <= MAX_TIME
+        ):
             return (Rejected(reply.engine_id, "handshake reply carries impossible timestamps"),)
+        why = layout_error(reply.ranks, self.ranks, self.rank)
+        if why is not None:
+            return (Rejected(reply.engine_id, why),)
+        eng.handshakes.clear()
         out: list[AccessorOutput] = []
         for t in list(eng.leases.values()):
-            if t.incarnation != reply.incarnation:
+            if t.incarnation != reply.incarnation or t.engine.ranks != reply.ranks:
                 out.extend(self._lose(t, LostReason.PINNER_RESTARTED))
         if eng.incarnation is not None and eng.incarnation != reply.incarnation:
             eng.outstanding.clear()
@@ -445,7 +536,7 @@ class Accessor:
         eng.connected = True
         if reply.rank == 0:
             eng.clock.add_sample(ClockSample(LocalTime(reply.t_echo), reply.t_recv, reply.t_send, now))
-        eng.next_heartbeat = now  # heartbeat at once: leases may have waited for this
+        eng.next_heartbeat = now  # heartbeat at the next handle_timeout: leases may have waited for this
         for t in eng.leases.values():
             if t.kind is LeaseKind.FIXED_TTL:
                 self._refresh_fixed(now, eng, t)
@@ -465,14 +556,16 @@ class Accessor:
                 return (Rejected(message.engine_id, f"{type(message).__name__} is not for an accessor"),)
 
     def _on_ack(self, now: LocalTime, ack: HeartbeatAck) -> tuple[AccessorOutput, ...]:
+        if ack.to_rank != self.rank or ack.to_session != self.session:
+            return (Rejected(ack.engine_id, f"heartbeat ack for rank {ack.to_rank} session {ack.to_session}"),)
         eng = self._engines.get(ack.engine_id)
         if eng is None:
-            return (Rejected(ack.engine_id, "heartbeat ack from an engine we do not know"),)
-        if not 0 <= ack.rank < eng.ranks:
-            return (Rejected(ack.engine_id, f"heartbeat ack from rank {ack.rank} of a {eng.ranks}-rank engine"),)
+            return ()  # an engine we disconnected: nothing of it is outstanding
         rec = eng.outstanding.get(ack.seq)
         if rec is None or rec.t_send != ack.t_echo or ack.rank not in rec.pending_ranks:
             return ()  # duplicate, too old, or forged echo: carries nothing we can trust
+        if not -MAX_TIME <= ack.t_recv <= MAX_TIME:
+            return (Rejected(ack.engine_id, "heartbeat ack carries an impossible time"),)
         out: list[AccessorOutput] = []
         if ack.incarnation != rec.incarnation:
             # The pinner restarted: nothing we held there under that incarnation exists.
@@ -483,13 +576,16 @@ class Accessor:
             eng.connected = False
             eng.handshake_due = now
             return tuple(out)
+        listed = len(ack.unknown) + len(ack.expired) + len(ack.released) + len(ack.completed)
+        if listed + ack.renewed != len(rec.ids) or (listed and not self._ack_lists_match(rec, ack)):
+            return (Rejected(ack.engine_id, f"heartbeat ack {ack.seq} does not account for the heartbeat's ids"),)
         # Usually all four lists are empty: skip building the loop then.
         lists = (
             (LostReason.UNKNOWN, ack.unknown),
             (LostReason.EXPIRED, ack.expired),
             (LostReason.RELEASED, ack.released),
             (None, ack.completed),
-        ) if ack.unknown or ack.expired or ack.released or ack.completed else ()
+        ) if listed else ()
         for reason, ids in lists:
             for lease_id in ids:
                 rec.missing.add(lease_id)
@@ -498,9 +594,10 @@ class Accessor:
                     continue
                 if reason is None:
                     # Completed by access-done: a lease completes only once every expected
-                    # accessor rank reported, so while we are accessing it, this pinner rank
-                    # heard our own access-done (attached to our part, after it landed); other
-                    # pinner ranks' parts may still be in flight. Otherwise someone else used it.
+                    # accessor rank reported, and only ranks that access this pinner rank
+                    # heartbeat it, so while we are accessing, this pinner rank heard our own
+                    # access-done (attached to our part, after it landed). Otherwise the lease
+                    # is gone from under us.
                     if lost.state is TrackedState.ACCESSING:
                         continue
                     out.extend(self._lose(lost, LostReason.RELEASED))
@@ -523,15 +620,31 @@ class Accessor:
                 self._refresh_fixed(now, eng, eng.leases[lkey])
         return tuple(out)
 
+    @staticmethod
+    def _ack_lists_match(rec: _Outstanding, ack: HeartbeatAck) -> bool:
+        """Every listed id was in the heartbeat, and none is listed twice."""
+        sent = set(rec.ids)
+        seen: set[int] = set()
+        for ids in (ack.unknown, ack.expired, ack.released, ack.completed):
+            for i in ids:
+                if i not in sent or i in seen:
+                    return False
+                seen.add(i)
+        return True
+
     def _on_done_ack(self, now: LocalTime, ack: AccessDoneAck) -> tuple[AccessorOutput, ...]:
+        if ack.to_rank != self.rank or ack.to_session != self.session:
+            return (Rejected(ack.engine_id, f"access-done ack for rank {ack.to_rank} session {ack.to_session}"),)
         eng = self._engines.get(ack.engine_id)
         t = None if eng is None else eng.leases.get((ack.incarnation, ack.lease_id))
-        if t is not None and t.state is TrackedState.ACCESSING and t.attached_confirm:
+        if t is None or t.attempt != ack.attempt:
+            return ()  # a verdict on another attempt (or a lease we no longer track) proves nothing now
+        if t.state is TrackedState.ACCESSING and t.attached_confirm:
             if t.early_verdicts is None:
                 t.early_verdicts = {}
             t.early_verdicts.setdefault(ack.rank, ack.outcome)
             return ()
-        return self._verdict(t, ack.rank, ack.outcome) if t is not None else ()
+        return self._verdict(t, ack.rank, ack.outcome)
 
     def _verdict(self, t: _Tracked, rank: int, outcome: AccessOutcome) -> tuple[AccessorOutput, ...]:
         if t.state is not TrackedState.CONFIRMING or rank not in t.confirm_pending:
@@ -551,22 +664,37 @@ class Accessor:
         """A handshake for `engine_id` now, for a driver that connects proactively (before
         any request names the engine). Feed the reply to `handshake_reply`."""
         self._advance(now)
-        return HandshakeNeeded(engine_id, self._handshake(now))
+        eng = self._engines.get(engine_id)
+        if eng is None:
+            eng = self._engines[engine_id] = _PinnerEngine(engine_id, self.config, 1)
+        return HandshakeNeeded(engine_id, self._handshake(now, eng))
 
-    def _handshake(self, now: float) -> Handshake:
-        return Handshake(self.engine_id, self.rank, self.ranks, PROTOCOL_VERSION, int(ALL_CAPABILITIES), LocalTime(now))
+    def _handshake(self, now: float, eng: _PinnerEngine) -> Handshake:
+        seq = self._next_seq()
+        eng.handshakes[seq] = now
+        while len(eng.handshakes) > self.config.max_outstanding_heartbeats:
+            eng.handshakes.popitem(last=False)
+        return Handshake(
+            self.engine_id, self.rank, self.ranks, self.session, PROTOCOL_VERSION, int(ALL_CAPABILITIES), seq,
+            LocalTime(now),
+        )
 
-    def _pinner_targets(self, eng: _Engine) -> tuple[int, range]:
-        """How many accessor ranks each pinner rank hears from, and which pinner ranks this
-        accessor rank reads from (vLLM's heterogeneous-TP mapping)."""
-        p, a = eng.ranks, self.ranks
-        if p >= a:
-            k = p // a
-            return 1, range(self.rank * k, (self.rank + 1) * k)
-        k = a // p
-        return k, range(self.rank // k, self.rank // k + 1)
+    def _layout(self, eng: _PinnerEngine) -> TpLayout:
+        """Which pinner ranks this accessor rank accesses (vLLM's heterogeneous-TP mapping)."""
+        return tp_layout(eng.ranks, self.ranks, self.rank)
 
-    def _send_heartbeats(self, now: float, eng: _Engine, ids: list[int], out: list[AccessorOutput]) -> None:
+    def _access_done(self, t: _Tracked, confirm: bool, now: float) -> AccessDone:
+        return AccessDone(
+            self.engine_id, self.rank, self.ranks, self.session, t.incarnation, t.lease_id, t.attempt, confirm,
+            LocalTime(now),
+        )
+
+    def _release(self, t: _Tracked) -> tuple[AccessorOutput, ...]:
+        eng = t.engine
+        msg = Release(self.engine_id, self.rank, self.ranks, self.session, t.incarnation, (t.lease_id,))
+        return tuple(Send(eng.engine_id, r, msg) for r in self._layout(eng).targets)
+
+    def _send_heartbeats(self, now: float, eng: _PinnerEngine, ids: list[int], out: list[AccessorOutput]) -> None:
         assert eng.incarnation is not None
         budget = heartbeat_id_budget(eng.max_message_bytes, self.engine_id, eng.engine_id)
         # Forget rounds that can no longer extend anything, and bound the rest.
@@ -576,13 +704,16 @@ class Accessor:
             or next(iter(eng.outstanding.values())).t_send < horizon
         ):
             eng.outstanding.popitem(last=False)
+        targets = self._layout(eng).targets
         for chunk in split_ids(ids, budget):
-            eng.seq += 1
-            eng.outstanding[eng.seq] = _Outstanding(now, eng.incarnation, chunk, eng.ranks)
-            hb = Heartbeat(self.engine_id, self.rank, eng.incarnation, eng.seq, LocalTime(now), chunk)
-            out.append(Send(eng.engine_id, None, hb))
+            seq = self._next_seq()
+            eng.outstanding[seq] = _Outstanding(now, eng.incarnation, chunk, targets)
+            hb = Heartbeat(
+                self.engine_id, self.rank, self.ranks, self.session, eng.incarnation, seq, LocalTime(now), chunk
+            )
+            out.extend(Send(eng.engine_id, r, hb) for r in targets)
 
-    def _refresh_fixed(self, now: float, eng: _Engine, t: _Tracked) -> None:
+    def _refresh_fixed(self, now: float, eng: _PinnerEngine, t: _Tracked) -> None:
         deadline = eng.deadlines.get((t.incarnation, t.lease_id))
         if deadline is None:
             return
@@ -590,7 +721,7 @@ class Accessor:
         if local is not None:
             valid = local - self.config.validity_margin
             if valid > t.valid_until:
-                first = t.valid_until == float("-inf")
+                first = t.valid_until == _NEG_INF
                 t.valid_until = valid
                 if first:
                     # The check queued at track time assumed one accessor extension; a short
@@ -618,6 +749,18 @@ class Accessor:
             del eng.leases[lkey]
             eng.deadlines.pop(lkey, None)
             eng.new_ids.discard(lkey)
+        self._retire((eng.engine_id, t.incarnation, t.lease_id))
+
+    def _retire(self, rkey: tuple[str, int, int]) -> None:
+        """Remember a lease given up, so it is never tracked again (bounded: see `track`)."""
+        retired = self._retired
+        retired[rkey] = None
+        while len(retired) > self.config.tombstone_limit:
+            (engine_id, incarnation, lease_id), _ = retired.popitem(last=False)
+            floor = self._retired_floor
+            fkey = (engine_id, incarnation)
+            if lease_id > floor.get(fkey, 0):
+                floor[fkey] = lease_id
 
     def _require(self, key: str, *states: TrackedState) -> _Tracked:
         t = self._tracked.get(key)

@@ -17,10 +17,22 @@ import attrs
 
 from ._errors import LocalProtocolError, RemoteProtocolError
 
-__all__ = ["ClockOffsetEstimator", "ClockSample", "LocalTime", "OffsetEstimate", "PeerTime"]
+__all__ = ["MAX_TIME", "ClockOffsetEstimator", "ClockSample", "LocalTime", "OffsetEstimate", "PeerTime", "check_time"]
 
 LocalTime = NewType("LocalTime", float)
 PeerTime = NewType("PeerTime", float)
+
+#: The largest clock reading (in magnitude) the protocol accepts: 2**32 s, 136 years. Bounding
+#: times bounds float rounding: one operation on times this large errs by at most 2**-21 s
+#: (~0.5 us), far below the smallest validity margin, and ``now + interval`` is always > now.
+MAX_TIME = float(1 << 32)
+
+
+def check_time(now: float) -> None:
+    """Refuse a local clock reading the protocol cannot reason about (NaN, infinite, or beyond
+    `MAX_TIME`) with `LocalProtocolError`."""
+    if not -MAX_TIME <= now <= MAX_TIME:  # also false for NaN
+        raise LocalProtocolError(f"clock reading {now!r} is not a finite time within +-2**32 s")
 
 
 @attrs.frozen

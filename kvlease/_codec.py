@@ -5,6 +5,9 @@ a frame is never mistaken for a vLLM notification), then one msgpack array
 ``[version, type, field...]``. Lease-id lists are sorted and delta-encoded (first id absolute,
 then positive gaps), so consecutive ids cost one byte each. `decode` raises only `DecodeError`,
 whatever the bytes; the state machines never see bytes.
+
+One field table per message (`_FIELDS`) drives both the general encoder and decoder, so what
+`encode` accepts is exactly what `decode` accepts back.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from typing import Any, Final
 
 import msgpack
 
-from ._clock import LocalTime, PeerTime
+from ._clock import MAX_TIME
 from ._errors import DecodeError, EncodeError
+from ._layout import MAX_RANKS
 from ._messages import (
     PROTOCOL_VERSION,
     AccessDone,
@@ -59,16 +63,63 @@ _T_ACCESS_DONE: Final = 5
 _T_ACCESS_DONE_ACK: Final = 6
 _T_RELEASE: Final = 7
 
-#: Field count after [version, type] for each message type.
-_ARITY: Final = {
-    _T_HANDSHAKE: 6,
-    _T_HANDSHAKE_REPLY: 10,
-    _T_HEARTBEAT: 6,
-    _T_HEARTBEAT_ACK: 11,
-    _T_ACCESS_DONE: 7,
-    _T_ACCESS_DONE_ACK: 5,
-    _T_RELEASE: 5,
+_MESSAGE_TYPES: Final = {
+    Handshake: _T_HANDSHAKE,
+    HandshakeReply: _T_HANDSHAKE_REPLY,
+    Heartbeat: _T_HEARTBEAT,
+    HeartbeatAck: _T_HEARTBEAT_ACK,
+    AccessDone: _T_ACCESS_DONE,
+    AccessDoneAck: _T_ACCESS_DONE_ACK,
+    Release: _T_RELEASE,
 }
+
+# Field kinds of the table below.
+_ENGINE: Final = "engine"  # UTF-8 str, 1..256 bytes
+_UINT: Final = "uint"  # uint64
+_RANKS: Final = "ranks"  # integer in [1, MAX_RANKS]
+_MMB: Final = "max_message_bytes"  # integer >= 1
+_TIME: Final = "time"  # finite float, |t| <= MAX_TIME
+_BOOL: Final = "bool"
+_IDS: Final = "ids"  # strictly increasing uint64 list, delta-encoded
+_OUTCOME: Final = "outcome"  # AccessOutcome
+
+#: Every message's fields after [version, type], in wire order: (attribute, kind).
+_FIELDS: Final[dict[int, tuple[tuple[str, str], ...]]] = {
+    _T_HANDSHAKE: (
+        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("session", _UINT), ("version", _UINT),
+        ("capabilities", _UINT), ("seq", _UINT), ("t_send", _TIME),
+    ),
+    _T_HANDSHAKE_REPLY: (
+        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("incarnation", _UINT), ("version", _UINT),
+        ("capabilities", _UINT), ("max_message_bytes", _MMB), ("to_rank", _UINT), ("to_session", _UINT),
+        ("seq", _UINT), ("t_echo", _TIME), ("t_recv", _TIME), ("t_send", _TIME),
+    ),
+    _T_HEARTBEAT: (
+        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("session", _UINT), ("incarnation", _UINT),
+        ("seq", _UINT), ("t_send", _TIME), ("lease_ids", _IDS),
+    ),
+    _T_HEARTBEAT_ACK: (
+        ("engine_id", _ENGINE), ("rank", _UINT), ("incarnation", _UINT), ("to_rank", _UINT), ("to_session", _UINT),
+        ("seq", _UINT), ("t_echo", _TIME), ("t_recv", _TIME), ("renewed", _UINT), ("unknown", _IDS),
+        ("expired", _IDS), ("released", _IDS), ("completed", _IDS),
+    ),
+    _T_ACCESS_DONE: (
+        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("session", _UINT), ("incarnation", _UINT),
+        ("lease_id", _UINT), ("attempt", _UINT), ("confirm", _BOOL), ("t_send", _TIME),
+    ),
+    _T_ACCESS_DONE_ACK: (
+        ("engine_id", _ENGINE), ("rank", _UINT), ("incarnation", _UINT), ("to_rank", _UINT), ("to_session", _UINT),
+        ("lease_id", _UINT), ("attempt", _UINT), ("outcome", _OUTCOME),
+    ),
+    _T_RELEASE: (
+        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("session", _UINT), ("incarnation", _UINT),
+        ("lease_ids", _IDS),
+    ),
+}
+
+#: Field count after [version, type] for each message type.
+_ARITY: Final = {t: len(f) for t, f in _FIELDS.items()}
+_CLASSES: Final = {t: cls for cls, t in _MESSAGE_TYPES.items()}
 
 
 def is_native_frame(data: bytes) -> bool:
@@ -105,17 +156,21 @@ def ids_encoded_size(ids: Sequence[int]) -> int:
 
 def heartbeat_id_budget(max_message_bytes: int, accessor_id: str, pinner_id: str) -> int:
     """The largest `split_ids` budget for which both a heartbeat from `accessor_id` and the
-    pinner's `HeartbeatAck` to it stay within `max_message_bytes`.
+    pinner's `HeartbeatAck` answering it stay within `max_message_bytes`.
 
-    Worst cases, with C the id list's content: a heartbeat is at most ``40 + len(accessor_id)
-    + 3 + C`` bytes; an ack spreads the same ids over four lists, each opening with an absolute
-    id (at most 8 bytes more than a gap, for three extra lists) behind a 3-byte header, so it is
-    at most ``51 + len(pinner_id) + 12 + 24 + C``. `split_ids` counts a 5-byte header in its
-    budget.
+    With C the cost `split_ids` counts for a chunk (a 5-byte list header, the first id's size,
+    and each other id's size *measured from the first id*), a heartbeat is at most
+    ``52 + len(accessor_id) + C`` bytes (every fixed field at its widest). An ack spreads the
+    same ids over four lists: each list costs at most a 5-byte header and a 9-byte first id,
+    and every other id's gap inside its list is at most its distance from the chunk's first
+    id, so the lists take at most ``C + 50`` bytes and the ack at most
+    ``114 + len(pinner_id) + C``. (Counting gaps from the first id, not from the predecessor,
+    is what makes the ack bound hold: splitting sorted ids over four lists can widen every gap
+    by a size class.)
     """
     acc = len(accessor_id.encode("utf-8", "surrogatepass"))
     pin = len(pinner_id.encode("utf-8", "surrogatepass"))
-    return max_message_bytes - max(38 + acc, 82 + pin)
+    return max_message_bytes - max(52 + acc, 114 + pin)
 
 
 #: The smallest id budget that still carries a full-size (9-byte) id.
@@ -123,22 +178,32 @@ MIN_ID_BUDGET: Final = 16
 
 
 def split_ids(ids: Sequence[int], budget: int) -> list[tuple[int, ...]]:
-    """Split a sorted id list into chunks whose encoded list is at most `budget` bytes."""
+    """Split a sorted id list into chunks of cost at most `budget` bytes, greedily in order.
+
+    A chunk's cost is ``5 + size(first) + sum(size(id - first) for the other ids)``, with
+    ``size`` the msgpack size of an unsigned integer (1, 2, 3, 5 or 9 bytes); it bounds the
+    encoded list in a heartbeat and the four lists of the ack answering it. An id joins the
+    current chunk while the cost stays within `budget`; otherwise it opens the next chunk.
+    """
     if budget < MIN_ID_BUDGET:
         raise EncodeError(f"id budget of {budget} bytes is too small (need >= {MIN_ID_BUDGET})")
     chunks: list[tuple[int, ...]] = []
     start = 0
-    size = 5  # worst-case array header
-    prev = 0
+    first = 0
+    size = 0
     for i, v in enumerate(ids):
-        cost = uint_size(v if i == start else v - prev)
-        if i > start and size + cost > budget:
+        if i == start:
+            first = v
+            size = 5 + uint_size(v)
+            continue
+        cost = uint_size(v - first)
+        if size + cost > budget:
             chunks.append(tuple(ids[start:i]))
             start = i
-            size = 5
-            cost = uint_size(v)
-        size += cost
-        prev = v
+            first = v
+            size = 5 + uint_size(v)
+        else:
+            size += cost
     if start < len(ids) or not chunks:
         chunks.append(tuple(ids[start:]))
     return chunks
@@ -164,8 +229,8 @@ def _check_uint(name: str, v: int) -> int:
 
 
 def _check_time(name: str, v: float) -> float:
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-        raise EncodeError(f"{name} must be a finite number, got {v!r}")
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > MAX_TIME:
+        raise EncodeError(f"{name} must be a finite number within +-{MAX_TIME:.0f}, got {v!r}")
     return float(v)
 
 
@@ -185,14 +250,14 @@ def _check_engine(v: str) -> str:
 # are the codec's hot path. Each has a fast encoder/decoder that checks the same conditions with
 # exact-type tests (``type(v) is int`` also rules out bool and int subclasses) and C-level
 # helpers, and accepts only a subset of what the general path accepts (short ASCII engine ids,
-# exact floats): anything else -- including every invalid value -- falls through to the general
-# path below, which accepts or raises exactly as before. So the fast paths change no output and
-# no error; they only skip per-field method calls.
+# exact floats, ranks below 2**16): anything else -- including every invalid value -- falls
+# through to the general, table-driven path, which accepts or raises. So the fast paths change
+# no output and no error; they only skip per-field method calls.
 
 _FAST_ENGINE_CHARS: Final = 64  # 64 characters are at most 256 UTF-8 bytes
-_INF: Final = math.inf
 _INT_ONLY: Final = frozenset((int,))
 _FAST_PACK_BUFFER: Final = 512  # grows if a message needs more
+_U16: Final = 1 << 16
 
 
 def _fast_engine(v: object) -> bool:
@@ -201,6 +266,14 @@ def _fast_engine(v: object) -> bool:
 
 def _fast_uint(v: object) -> bool:
     return type(v) is int and 0 <= v < _U64
+
+
+def _fast_time(v: object) -> bool:
+    return type(v) is float and -MAX_TIME <= v <= MAX_TIME
+
+
+def _fast_ranks(rank: object, ranks: object) -> bool:
+    return type(rank) is int and type(ranks) is int and 0 <= rank < _U16 and 1 <= ranks <= _U16
 
 
 def _fast_pack_ids(ids: object) -> list[int] | None:
@@ -219,182 +292,138 @@ def _fast_pack_ids(ids: object) -> list[int] | None:
 
 
 def _fast_encode_body(msg: Message) -> list[Any] | None:
-    """The encoded array of a hot-path message, or None to take the general path. The field
-    tests are `_fast_engine` / `_fast_uint` and a finite-float test, inlined."""
+    """The encoded array of a hot-path message, or None to take the general path."""
     cls = type(msg)
     if cls is Heartbeat:
         assert isinstance(msg, Heartbeat)
-        engine, rank, inc, seq, t = msg.engine_id, msg.rank, msg.incarnation, msg.seq, msg.t_send
         if (
-            type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
-            and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
-            and type(seq) is int and 0 <= seq < _U64 and type(t) is float and -_INF < t < _INF
+            _fast_engine(msg.engine_id) and _fast_ranks(msg.rank, msg.ranks) and _fast_uint(msg.session)
+            and _fast_uint(msg.incarnation) and _fast_uint(msg.seq) and _fast_time(msg.t_send)
         ):
             ids = _fast_pack_ids(msg.lease_ids)
             if ids is not None:
-                return [PROTOCOL_VERSION, _T_HEARTBEAT, engine, rank, inc, seq, t, ids]
+                return [PROTOCOL_VERSION, _T_HEARTBEAT, msg.engine_id, msg.rank, msg.ranks, msg.session,
+                        msg.incarnation, msg.seq, msg.t_send, ids]
     elif cls is HeartbeatAck:
         assert isinstance(msg, HeartbeatAck)
-        engine, rank, inc, seq = msg.engine_id, msg.rank, msg.incarnation, msg.seq
-        t_echo, t_recv, renewed = msg.t_echo, msg.t_recv, msg.renewed
         if (
-            type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
-            and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
-            and type(seq) is int and 0 <= seq < _U64 and type(t_echo) is float and -_INF < t_echo < _INF
-            and type(t_recv) is float and -_INF < t_recv < _INF and type(renewed) is int and 0 <= renewed < _U64
+            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.to_rank) and _fast_uint(msg.to_session) and _fast_uint(msg.seq)
+            and _fast_time(msg.t_echo) and _fast_time(msg.t_recv) and _fast_uint(msg.renewed)
         ):
             unknown, expired = _fast_pack_ids(msg.unknown), _fast_pack_ids(msg.expired)
             released, completed = _fast_pack_ids(msg.released), _fast_pack_ids(msg.completed)
             if unknown is not None and expired is not None and released is not None and completed is not None:
-                return [PROTOCOL_VERSION, _T_HEARTBEAT_ACK, engine, rank, inc, seq, t_echo, t_recv, renewed,
+                return [PROTOCOL_VERSION, _T_HEARTBEAT_ACK, msg.engine_id, msg.rank, msg.incarnation, msg.to_rank,
+                        msg.to_session, msg.seq, msg.t_echo, msg.t_recv, msg.renewed,
                         unknown, expired, released, completed]
     elif cls is AccessDone:
         assert isinstance(msg, AccessDone)
-        engine, rank, inc, lease_id, expected, t = (
-            msg.engine_id, msg.rank, msg.incarnation, msg.lease_id, msg.expected, msg.t_send
-        )
         if (
-            type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
-            and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
-            and type(lease_id) is int and 0 <= lease_id < _U64 and type(expected) is int and 0 <= expected < _U64
-            and type(t) is float and -_INF < t < _INF
+            _fast_engine(msg.engine_id) and _fast_ranks(msg.rank, msg.ranks) and _fast_uint(msg.session)
+            and _fast_uint(msg.incarnation) and _fast_uint(msg.lease_id) and _fast_uint(msg.attempt)
+            and type(msg.confirm) is bool and _fast_time(msg.t_send)
         ):
-            return [PROTOCOL_VERSION, _T_ACCESS_DONE, engine, rank, inc, lease_id, expected, bool(msg.confirm), t]
+            return [PROTOCOL_VERSION, _T_ACCESS_DONE, msg.engine_id, msg.rank, msg.ranks, msg.session,
+                    msg.incarnation, msg.lease_id, msg.attempt, msg.confirm, msg.t_send]
     elif cls is AccessDoneAck:
         assert isinstance(msg, AccessDoneAck)
         if (
             _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
-            and _fast_uint(msg.lease_id)
+            and _fast_uint(msg.to_rank) and _fast_uint(msg.to_session) and _fast_uint(msg.lease_id)
+            and _fast_uint(msg.attempt) and type(msg.outcome) is AccessOutcome
         ):
-            return [PROTOCOL_VERSION, _T_ACCESS_DONE_ACK, msg.engine_id, msg.rank, msg.incarnation, msg.lease_id,
-                    int(msg.outcome)]
+            return [PROTOCOL_VERSION, _T_ACCESS_DONE_ACK, msg.engine_id, msg.rank, msg.incarnation, msg.to_rank,
+                    msg.to_session, msg.lease_id, msg.attempt, int(msg.outcome)]
     return None
 
 
+def _encode_field(name: str, kind: str, v: Any) -> Any:
+    if kind == _ENGINE:
+        return _check_engine(v)
+    if kind == _UINT:
+        return _check_uint(name, v)
+    if kind == _RANKS:
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_RANKS:
+            raise EncodeError(f"{name} must be an integer in [1, {MAX_RANKS}], got {v!r}")
+        return v
+    if kind == _MMB:
+        if _check_uint(name, v) < 1:
+            raise EncodeError(f"{name} must be >= 1, got {v!r}")
+        return v
+    if kind == _TIME:
+        return _check_time(name, v)
+    if kind == _BOOL:
+        if not isinstance(v, bool):
+            raise EncodeError(f"{name} must be a bool, got {v!r}")
+        return v
+    if kind == _IDS:
+        return _pack_ids(v)
+    if not isinstance(v, AccessOutcome):
+        raise EncodeError(f"{name} must be an AccessOutcome, got {v!r}")
+    return int(v)
+
+
 def encode(msg: Message) -> bytes:
-    """Encode one message; raises `EncodeError` for values the wire cannot carry."""
+    """Encode one message; raises `EncodeError` for values the wire cannot carry (exactly the
+    values `decode` would refuse)."""
     fast = _fast_encode_body(msg)
     if fast is not None:
         # `packb` builds a Packer with a 256 KiB buffer per call (most of an encode's cost);
         # a fresh small one per call packs the same bytes and stays thread-safe.
         packed_fast: bytes = msgpack.Packer(use_bin_type=True, buf_size=_FAST_PACK_BUFFER).pack(fast)
         return MAGIC + packed_fast
-    body: list[Any]
-    match msg:
-        case Handshake():
-            body = [
-                _T_HANDSHAKE, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
-                _check_uint("ranks", msg.ranks), _check_uint("version", msg.version),
-                _check_uint("capabilities", msg.capabilities), _check_time("t_send", msg.t_send),
-            ]
-        case HandshakeReply():
-            body = [
-                _T_HANDSHAKE_REPLY, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
-                _check_uint("ranks", msg.ranks), _check_uint("incarnation", msg.incarnation),
-                _check_uint("version", msg.version), _check_uint("capabilities", msg.capabilities),
-                _check_uint("max_message_bytes", msg.max_message_bytes),
-                _check_time("t_echo", msg.t_echo), _check_time("t_recv", msg.t_recv),
-                _check_time("t_send", msg.t_send),
-            ]
-        case Heartbeat():
-            body = [
-                _T_HEARTBEAT, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
-                _check_uint("incarnation", msg.incarnation), _check_uint("seq", msg.seq),
-                _check_time("t_send", msg.t_send), _pack_ids(msg.lease_ids),
-            ]
-        case HeartbeatAck():
-            body = [
-                _T_HEARTBEAT_ACK, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
-                _check_uint("incarnation", msg.incarnation), _check_uint("seq", msg.seq),
-                _check_time("t_echo", msg.t_echo), _check_time("t_recv", msg.t_recv),
-                _check_uint("renewed", msg.renewed), _pack_ids(msg.unknown),
-                _pack_ids(msg.expired), _pack_ids(msg.released), _pack_ids(msg.completed),
-            ]
-        case AccessDone():
-            body = [
-                _T_ACCESS_DONE, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
-                _check_uint("incarnation", msg.incarnation), _check_uint("lease_id", msg.lease_id),
-                _check_uint("expected", msg.expected), bool(msg.confirm),
-                _check_time("t_send", msg.t_send),
-            ]
-        case AccessDoneAck():
-            body = [
-                _T_ACCESS_DONE_ACK, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
-                _check_uint("incarnation", msg.incarnation), _check_uint("lease_id", msg.lease_id),
-                int(msg.outcome),
-            ]
-        case Release():
-            body = [
-                _T_RELEASE, _check_engine(msg.engine_id), _check_uint("rank", msg.rank),
-                _check_uint("incarnation", msg.incarnation), _pack_ids(msg.lease_ids),
-                _check_uint("expected", msg.expected),
-            ]
-        case _:
-            raise EncodeError(f"not a kvlease message: {msg!r}")
-    packed: bytes = msgpack.packb([PROTOCOL_VERSION, *body], use_bin_type=True)
+    mtype = _MESSAGE_TYPES.get(type(msg))
+    if mtype is None:
+        raise EncodeError(f"not a kvlease message: {msg!r}")
+    body: list[Any] = [PROTOCOL_VERSION, mtype]
+    for name, kind in _FIELDS[mtype]:
+        body.append(_encode_field(name, kind, getattr(msg, name)))
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
     return MAGIC + packed
 
 
-class _Fields:
-    """Typed, bounds-checked access to a decoded array's fields."""
+def _decode_ids(what: str, v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise DecodeError(f"{what}: expected an array of ids, got {type(v).__name__}")
+    out: list[int] = []
+    cur = 0
+    for i, d in enumerate(v):
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0 or (i > 0 and d == 0):
+            raise DecodeError(f"{what}[{i}]: expected a {'positive gap' if i else 'uint'}, got {d!r}")
+        cur = d if i == 0 else cur + d
+        if cur >= _U64:
+            raise DecodeError(f"{what}[{i}]: id exceeds uint64")
+        out.append(cur)
+    return tuple(out)
 
-    def __init__(self, items: list[Any], what: str) -> None:
-        self._items = items
-        self._i = 2
-        self._what = what
 
-    def _next(self, name: str) -> Any:
-        v = self._items[self._i]
-        self._i += 1
-        return v
-
-    def uint(self, name: str, *, lo: int = 0, hi: int = _U64 - 1) -> int:
-        v = self._next(name)
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise DecodeError(f"{self._what}.{name}: expected an integer in [{lo}, {hi}], got {v!r}")
-        return v
-
-    def time(self, name: str) -> float:
-        v = self._next(name)
-        if not isinstance(v, float | int) or isinstance(v, bool) or not math.isfinite(v):
-            raise DecodeError(f"{self._what}.{name}: expected a finite float, got {v!r}")
-        return float(v)
-
-    def engine(self, name: str = "engine_id") -> str:
-        v = self._next(name)
-        if not isinstance(v, str) or not v or len(v.encode()) > MAX_ENGINE_ID_BYTES:
+def _decode_field(what: str, kind: str, v: Any) -> Any:
+    if kind == _ENGINE:
+        if not isinstance(v, str) or not v or len(v.encode("utf-8", "surrogatepass")) > MAX_ENGINE_ID_BYTES:
             raise DecodeError(
-                f"{self._what}.{name}: expected a non-empty string of at most "
-                f"{MAX_ENGINE_ID_BYTES} bytes, got {v!r:.80}"
+                f"{what}: expected a non-empty string of at most {MAX_ENGINE_ID_BYTES} bytes, got {v!r:.80}"
             )
         return v
-
-    def boolean(self, name: str) -> bool:
-        v = self._next(name)
+    if kind in (_UINT, _RANKS, _MMB, _OUTCOME):
+        lo, hi = {_UINT: (0, _U64 - 1), _RANKS: (1, MAX_RANKS), _MMB: (1, _U64 - 1),
+                  _OUTCOME: (0, int(max(AccessOutcome)))}[kind]
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise DecodeError(f"{what}: expected an integer in [{lo}, {hi}], got {v!r}")
+        return AccessOutcome(v) if kind == _OUTCOME else v
+    if kind == _TIME:
+        if not isinstance(v, float | int) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > MAX_TIME:
+            raise DecodeError(f"{what}: expected a finite float within +-{MAX_TIME:.0f}, got {v!r}")
+        return float(v)
+    if kind == _BOOL:
         if not isinstance(v, bool):
-            raise DecodeError(f"{self._what}.{name}: expected a boolean, got {v!r}")
+            raise DecodeError(f"{what}: expected a boolean, got {v!r}")
         return v
-
-    def ids(self, name: str) -> tuple[int, ...]:
-        v = self._next(name)
-        if not isinstance(v, list):
-            raise DecodeError(f"{self._what}.{name}: expected an array of ids, got {type(v).__name__}")
-        out: list[int] = []
-        cur = 0
-        for i, d in enumerate(v):
-            if not isinstance(d, int) or isinstance(d, bool) or d < 0 or (i > 0 and d == 0):
-                raise DecodeError(
-                    f"{self._what}.{name}[{i}]: expected a {'positive gap' if i else 'uint'}, got {d!r}"
-                )
-            cur = d if i == 0 else cur + d
-            if cur >= _U64:
-                raise DecodeError(f"{self._what}.{name}[{i}]: id exceeds uint64")
-            out.append(cur)
-        return tuple(out)
+    return _decode_ids(what, v)
 
 
 def _fast_ids(v: object) -> tuple[int, ...] | None:
-    """`_Fields.ids` for a valid list, or None to take the general path (which raises)."""
+    """`_decode_ids` for a valid list, or None to take the general path (which raises)."""
     if type(v) is not list:
         return None
     if not v:
@@ -407,30 +436,24 @@ def _fast_ids(v: object) -> tuple[int, ...] | None:
     return out if out[-1] < _U64 else None
 
 
-# The fast decoders inline `_fast_engine` / `_fast_uint` and a finite-float test (a call per
-# field is most of their cost); they are the same tests.
-
-
 def _fast_heartbeat(items: list[Any]) -> Message | None:
-    _, _, engine, rank, inc, seq, t_send, ids = items
+    _, _, engine, rank, ranks, session, inc, seq, t_send, ids = items
     if (
-        type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
-        and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
-        and type(seq) is int and 0 <= seq < _U64 and type(t_send) is float and -_INF < t_send < _INF
+        _fast_engine(engine) and _fast_ranks(rank, ranks) and _fast_uint(session) and _fast_uint(inc)
+        and _fast_uint(seq) and _fast_time(t_send)
     ):
         lease_ids = _fast_ids(ids)
         if lease_ids is not None:
-            return Heartbeat(engine, rank, inc, seq, t_send, lease_ids)  # type: ignore[arg-type]
+            return Heartbeat(engine, rank, ranks, session, inc, seq, t_send, lease_ids)
     return None
 
 
 def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
-    _, _, engine, rank, inc, seq, t_echo, t_recv, renewed, u, e, r, c = items
+    _, _, engine, rank, inc, to_rank, to_session, seq, t_echo, t_recv, renewed, u, e, r, c = items
     if (
-        type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
-        and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
-        and type(seq) is int and 0 <= seq < _U64 and type(t_echo) is float and -_INF < t_echo < _INF
-        and type(t_recv) is float and -_INF < t_recv < _INF and type(renewed) is int and 0 <= renewed < _U64
+        _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(to_rank)
+        and _fast_uint(to_session) and _fast_uint(seq) and _fast_time(t_echo) and _fast_time(t_recv)
+        and _fast_uint(renewed)
     ):
         # An ack's four lists are usually empty.
         unknown = () if u == [] else _fast_ids(u)
@@ -439,21 +462,19 @@ def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
         completed = () if c == [] else _fast_ids(c)
         if unknown is not None and expired is not None and released is not None and completed is not None:
             return HeartbeatAck(
-                engine, rank, inc, seq, t_echo, t_recv, renewed,  # type: ignore[arg-type]
+                engine, rank, inc, to_rank, to_session, seq, t_echo, t_recv, renewed,
                 unknown, expired, released, completed,
             )
     return None
 
 
 def _fast_access_done(items: list[Any]) -> Message | None:
-    _, _, engine, rank, inc, lease_id, expected, confirm, t_send = items
+    _, _, engine, rank, ranks, session, inc, lease_id, attempt, confirm, t_send = items
     if (
-        type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
-        and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
-        and type(lease_id) is int and 0 <= lease_id < _U64 and type(expected) is int and 1 <= expected <= 1 << 16
-        and type(confirm) is bool and type(t_send) is float and -_INF < t_send < _INF
+        _fast_engine(engine) and _fast_ranks(rank, ranks) and _fast_uint(session) and _fast_uint(inc)
+        and _fast_uint(lease_id) and _fast_uint(attempt) and type(confirm) is bool and _fast_time(t_send)
     ):
-        return AccessDone(engine, rank, inc, lease_id, expected, confirm, t_send)  # type: ignore[arg-type]
+        return AccessDone(engine, rank, ranks, session, inc, lease_id, attempt, confirm, t_send)
     return None
 
 
@@ -461,15 +482,14 @@ _OUTCOMES: Final = {int(o): o for o in AccessOutcome}
 
 
 def _fast_access_done_ack(items: list[Any]) -> Message | None:
-    _, _, engine, rank, inc, lease_id, outcome = items
+    _, _, engine, rank, inc, to_rank, to_session, lease_id, attempt, outcome = items
     if (
-        type(engine) is str and 0 < len(engine) <= _FAST_ENGINE_CHARS and engine.isascii()
-        and type(rank) is int and 0 <= rank < _U64 and type(inc) is int and 0 <= inc < _U64
-        and type(lease_id) is int and 0 <= lease_id < _U64 and type(outcome) is int
+        _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(to_rank)
+        and _fast_uint(to_session) and _fast_uint(lease_id) and _fast_uint(attempt) and type(outcome) is int
     ):
         verdict = _OUTCOMES.get(outcome)
         if verdict is not None:
-            return AccessDoneAck(engine, rank, inc, lease_id, verdict)
+            return AccessDoneAck(engine, rank, inc, to_rank, to_session, lease_id, attempt, verdict)
     return None
 
 
@@ -482,7 +502,7 @@ _FAST_DECODERS: Final[dict[int, tuple[int, Callable[[list[Any]], Message | None]
 }
 
 
-def decode(data: bytes, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
+def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
     """Decode one native frame. Any problem raises `DecodeError` naming what was wrong."""
     if type(data) is not bytes:
         if not isinstance(data, bytes | bytearray | memoryview):
@@ -535,44 +555,8 @@ def decode(data: bytes, *, max_bytes: int = MAX_DECODE_BYTES) -> Message:
 
 
 def _decode_fields(mtype: int, items: list[Any]) -> Message:
-    if mtype == _T_HANDSHAKE:
-        f = _Fields(items, "Handshake")
-        return Handshake(
-            f.engine(), f.uint("rank"), f.uint("ranks", lo=1), f.uint("version"),
-            f.uint("capabilities"), LocalTime(f.time("t_send")),
-        )
-    if mtype == _T_HANDSHAKE_REPLY:
-        f = _Fields(items, "HandshakeReply")
-        return HandshakeReply(
-            f.engine(), f.uint("rank"), f.uint("ranks", lo=1), f.uint("incarnation"),
-            f.uint("version"), f.uint("capabilities"), f.uint("max_message_bytes", lo=1),
-            PeerTime(f.time("t_echo")), PeerTime(f.time("t_recv")), PeerTime(f.time("t_send")),
-        )
-    if mtype == _T_HEARTBEAT:
-        f = _Fields(items, "Heartbeat")
-        return Heartbeat(
-            f.engine(), f.uint("rank"), f.uint("incarnation"), f.uint("seq"),
-            LocalTime(f.time("t_send")), f.ids("lease_ids"),
-        )
-    if mtype == _T_HEARTBEAT_ACK:
-        f = _Fields(items, "HeartbeatAck")
-        return HeartbeatAck(
-            f.engine(), f.uint("rank"), f.uint("incarnation"), f.uint("seq"),
-            PeerTime(f.time("t_echo")), PeerTime(f.time("t_recv")), f.uint("renewed"),
-            f.ids("unknown"), f.ids("expired"), f.ids("released"), f.ids("completed"),
-        )
-    if mtype == _T_ACCESS_DONE:
-        f = _Fields(items, "AccessDone")
-        return AccessDone(
-            f.engine(), f.uint("rank"), f.uint("incarnation"), f.uint("lease_id"),
-            f.uint("expected", lo=1, hi=1 << 16), f.boolean("confirm"), LocalTime(f.time("t_send")),
-        )
-    if mtype == _T_ACCESS_DONE_ACK:
-        f = _Fields(items, "AccessDoneAck")
-        engine, rank, inc, lid = f.engine(), f.uint("rank"), f.uint("incarnation"), f.uint("lease_id")
-        outcome = f.uint("outcome", hi=max(AccessOutcome))
-        return AccessDoneAck(engine, rank, inc, lid, AccessOutcome(outcome))
-    f = _Fields(items, "Release")
-    return Release(
-        f.engine(), f.uint("rank"), f.uint("incarnation"), f.ids("lease_ids"), f.uint("expected", lo=1, hi=1 << 16)
-    )
+    cls = _CLASSES[mtype]
+    fields = zip(_FIELDS[mtype], items[2:], strict=True)
+    values = [_decode_field(f"{cls.__name__}.{name}", kind, v) for (name, kind), v in fields]
+    msg: Message = cls(*values)
+    return msg

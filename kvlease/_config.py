@@ -13,7 +13,13 @@ import attrs
 
 from ._errors import ConfigError
 
-__all__ = ["LeaseConfig"]
+__all__ = ["MIN_MESSAGE_BYTES", "MIN_VALIDITY_MARGIN", "LeaseConfig"]
+
+#: The smallest `validity_margin`, seconds (see the field).
+MIN_VALIDITY_MARGIN = 1e-3
+#: The smallest `max_message_bytes`: a heartbeat chunk and the ack answering it, with short
+#: engine ids, still fit under the ~256-byte notification cap of some NIXL backends.
+MIN_MESSAGE_BYTES = 192
 
 
 def _finite_range(lo: float, hi: float, *, lo_open: bool = False) -> Any:
@@ -65,12 +71,16 @@ class LeaseConfig:
     #: in seconds of real time. Push-mode writes are only started when the accessor's validity
     #: window covers it, and the pinner keeps pushed-into memory this long after expiry.
     max_access_time: float = attrs.field(default=2.0, validator=_finite_range(0.0, 3600.0))
-    #: Extra safety margin the accessor subtracts from every validity window, seconds.
-    validity_margin: float = attrs.field(default=0.05, validator=_finite_range(0.0, 3600.0))
+    #: Extra safety margin the accessor subtracts from every validity window, seconds. At least
+    #: `MIN_VALIDITY_MARGIN` (1 ms): the safety lemma needs m > 0 to absorb float rounding at the
+    #: magnitudes of real clock readings (spec §7).
+    validity_margin: float = attrs.field(default=0.05, validator=_finite_range(MIN_VALIDITY_MARGIN, 3600.0))
     #: Largest encoded message (heartbeats and acks are split to stay under it), bytes. Some
     #: NIXL backends cap notifications near 256 B, so the minimum allows that.
-    max_message_bytes: int = attrs.field(default=1024, validator=_int_range(128, 1 << 20))
-    #: How many finished leases the pinner remembers to answer late messages precisely.
+    max_message_bytes: int = attrs.field(default=1024, validator=_int_range(MIN_MESSAGE_BYTES, 1 << 20))
+    #: How many finished leases the pinner remembers to answer late messages precisely, and how
+    #: many given-up leases an accessor remembers to refuse re-tracking them (older ones fall
+    #: under a per-incarnation watermark and are refused too).
     tombstone_limit: int = attrs.field(default=65536, validator=_int_range(0, 1 << 24))
     #: How many sent-but-unacknowledged heartbeats the accessor remembers per engine.
     max_outstanding_heartbeats: int = attrs.field(default=64, validator=_int_range(1, 1 << 16))

@@ -51,6 +51,12 @@ class LostReason(enum.Enum):
     VALIDITY_LAPSED = "validity_lapsed"  # no acknowledgement came in time; it may be gone
     TTL_PASSED = "ttl_passed"  # a fixed-TTL lease's converted deadline passed
     UNREACHABLE = "unreachable"  # the pinner engine was declared dead by the driver
+    #: A posted transfer failed: its attached access-done may still reach the pinner and end
+    #: the lease, so the lease is never accessed again (a fresh lease is needed to retry).
+    ACCESS_FAILED = "access_failed"
+    #: The ticket is older than this accessor's memory of the leases it gave up, so it cannot
+    #: tell whether it tracked it before (a fresh lease is needed).
+    FORGOTTEN = "forgotten"
 
 
 @attrs.frozen

@@ -31,7 +31,7 @@ __all__ = [
     "Release",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class LeaseKind(enum.IntEnum):
@@ -72,36 +72,44 @@ ALL_CAPABILITIES = Capability.HEARTBEAT_ACK | Capability.PUSH | Capability.CONFI
 class Handshake:
     """Accessor → pinner, over the side channel, before heartbeats flow."""
 
-    engine_id: str
+    engine_id: str  # the sender (accessor engine)
     rank: int
     ranks: int
+    session: int  # the accessor's incarnation: random per accessor process, echoed in replies
     version: int
     capabilities: int
+    seq: int  # the accessor's message counter (never repeats within a session), echoed
     t_send: LocalTime
 
 
 @attrs.frozen
 class HandshakeReply:
-    """Pinner → accessor: identity, incarnation, TP layout and a clock sample."""
+    """Pinner → accessor: identity, incarnation, TP layout and a clock sample, bound to the
+    handshake it answers (`to_rank`, `to_session`, `seq`, `t_echo`)."""
 
-    engine_id: str
+    engine_id: str  # the sender (pinner engine)
     rank: int
     ranks: int
     incarnation: int
     version: int
     capabilities: int
     max_message_bytes: int
-    t_echo: PeerTime  # the accessor's t_send, echoed (the accessor's clock)
+    to_rank: int  # the handshake's sender rank
+    to_session: int  # the handshake's session
+    seq: int  # the handshake's seq
+    t_echo: PeerTime  # the handshake's t_send (the accessor's clock)
     t_recv: PeerTime  # the pinner's clock when it received the handshake
     t_send: PeerTime  # the pinner's clock when it sent this reply
 
 
 @attrs.frozen
 class Heartbeat:
-    """Accessor → every worker of one pinner engine: renew these leases."""
+    """Accessor rank → each pinner rank it accesses: renew these leases."""
 
     engine_id: str  # the sender (accessor engine)
     rank: int
+    ranks: int  # the accessor engine's TP size (the pinner checks the layout)
+    session: int
     incarnation: int  # the pinner incarnation the ids belong to
     seq: int
     t_send: LocalTime  # sender's clock, echoed in the ack (validity is measured from it)
@@ -110,16 +118,20 @@ class Heartbeat:
 
 @attrs.frozen
 class HeartbeatAck:
-    """Pinner → accessor: what a heartbeat renewed, and which ids it does not hold."""
+    """Pinner rank → the accessor rank whose heartbeat it answers: what it renewed, and which
+    ids it does not hold. ``renewed + len(unknown + expired + released + completed)`` equals
+    the heartbeat's id count."""
 
     engine_id: str  # the sender (pinner engine)
     rank: int
     incarnation: int
-    seq: int
+    to_rank: int  # the heartbeat's sender rank
+    to_session: int  # the heartbeat's session
+    seq: int  # the heartbeat's seq
     t_echo: PeerTime  # the heartbeat's t_send (the accessor's clock)
     t_recv: PeerTime  # the pinner's clock when it handled the heartbeat
     renewed: int  # how many of the heartbeat's ids were live and renewed (or fixed and held)
-    unknown: tuple[int, ...] = ()  # never granted here, or forgotten
+    unknown: tuple[int, ...] = ()  # never granted here, forgotten, or held for another accessor
     expired: tuple[int, ...] = ()
     released: tuple[int, ...] = ()
     completed: tuple[int, ...] = ()  # access-done already counted to completion
@@ -131,34 +143,40 @@ class AccessDone:
 
     engine_id: str
     rank: int
+    ranks: int  # the accessor engine's TP size: the pinner derives `expected` from the layout
+    session: int
     incarnation: int
     lease_id: int
-    expected: int  # accessor ranks the pinner must hear from before the access is complete
+    attempt: int  # the seq of the `begin_access` this access-done reports, echoed in the verdict
     confirm: bool  # ask for an `AccessDoneAck` (the access was not covered by validity)
     t_send: LocalTime
 
 
 @attrs.frozen
 class AccessDoneAck:
-    """Pinner → accessor: whether the lease was live when the access-done was handled."""
+    """Pinner rank → accessor rank: whether the lease was live when the access-done was handled."""
 
     engine_id: str
     rank: int
     incarnation: int
+    to_rank: int
+    to_session: int
     lease_id: int
+    attempt: int  # the access-done's attempt
     outcome: AccessOutcome
 
 
 @attrs.frozen
 class Release:
-    """Accessor rank → pinner: this rank will never access these leases (request aborted).
-    The pinner frees once every expected accessor rank has reported done or released."""
+    """Accessor rank → each pinner rank it would have accessed: this rank will never access
+    these leases. The pinner frees once every expected accessor rank reported done or released."""
 
     engine_id: str
     rank: int
+    ranks: int
+    session: int
     incarnation: int
     lease_ids: tuple[int, ...]  # strictly increasing
-    expected: int = 1  # accessor ranks that must finish or release before the pinner frees
 
 
 Message = Handshake | HandshakeReply | Heartbeat | HeartbeatAck | AccessDone | AccessDoneAck | Release

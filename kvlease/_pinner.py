@@ -25,11 +25,12 @@ from collections.abc import Iterable
 
 import attrs
 
-from ._clock import LocalTime, PeerTime
+from ._clock import LocalTime, PeerTime, check_time
 from ._codec import MIN_ID_BUDGET, heartbeat_id_budget
 from ._config import LeaseConfig
 from ._errors import ConfigError, LocalProtocolError
 from ._events import EndReason, Free, PinnerOutput, Rejected, Send
+from ._layout import MAX_RANKS, layout_error, tp_layout
 from ._messages import (
     ALL_CAPABILITIES,
     PROTOCOL_VERSION,
@@ -49,8 +50,10 @@ from ._messages import (
 
 __all__ = ["LeaseInfo", "LeaseState", "Pinner", "PinnerCounters"]
 
-_MAX_RANK = 1 << 16
+_MAX_RANK = MAX_RANKS
 _COMPAT_RANK_BASE = _MAX_RANK  # pseudo-ranks for vLLM's rank-less `id:count` notifications
+_COMPAT_ENGINE = "vllm"  # the accessor a lease renewed or ended by stock vLLM notifications is bound to
+_U64 = 1 << 64
 
 
 class LeaseState(enum.Enum):
@@ -76,7 +79,10 @@ _INF = float("inf")
 class _Lease:
     """One live lease. Plain slots class: it exists a million times over."""
 
-    __slots__ = ("done", "expected", "expiry", "key", "kind", "lease_id", "promised", "push", "released", "state")
+    __slots__ = (
+        "accessor", "done", "expected", "expiry", "key", "kind", "lease_id", "promised", "push", "released", "sessions",
+        "state",
+    )
 
     def __init__(
         self, lease_id: int, key: str, kind: LeaseKind, expiry: float, expected: int, push: bool
@@ -93,6 +99,21 @@ class _Lease:
         # from the start for fixed-TTL leases (the ticket carries the deadline).
         self.promised = kind is _FIXED_TTL
         self.released = False  # ends as RELEASED rather than EXPIRED
+        # Binding: the accessor engine, and each of its ranks' session, that first spoke for
+        # this lease (renewal, access-done or release). Nobody else may renew or end it.
+        self.accessor: str | None = None
+        self.sessions: dict[int, int] | None = None
+
+
+class _Tombstone:
+    """What a finished lease leaves behind to answer late messages precisely."""
+
+    __slots__ = ("accessor", "done", "reason")
+
+    def __init__(self, reason: EndReason, accessor: str | None, done: frozenset[int] | None) -> None:
+        self.reason = reason
+        self.accessor = accessor
+        self.done = done  # the accessor ranks whose access-done or release was counted
 
 
 @attrs.frozen
@@ -161,7 +182,7 @@ class Pinner:
         self.counters = PinnerCounters()
         self._leases: dict[int, _Lease] = {}
         self._heap: list[tuple[float, int]] = []
-        self._tombstones: OrderedDict[int, EndReason] = OrderedDict()
+        self._tombstones: OrderedDict[int, _Tombstone] = OrderedDict()
         self._by_key: dict[str, int] | None = {} if config.vllm_compat else None
         self._next_id = 1
         self._now = float("-inf")
@@ -169,10 +190,9 @@ class Pinner:
     # -- time -------------------------------------------------------------------------------
 
     def _advance(self, now: LocalTime) -> float:
+        check_time(now)
         if now < self._now:
             raise LocalProtocolError(f"time ran backwards: now={now} after {self._now}")
-        if now != now:  # NaN
-            raise LocalProtocolError("now is NaN")
         self._now = now
         return now
 
@@ -230,9 +250,10 @@ class Pinner:
         Renewable leases last `kv_lease_duration` unless renewed; fixed-TTL ones last `ttl`
         (default `decoder_kv_blocks_ttl`) and are never extended. `push` marks memory the
         accessor will WRITE into (kept for the access-time bound after expiry). `expected`
-        fixes how many accessor ranks must report done (default: as the accessor says).
-        `lease_id` lets a scheduler that fans a grant out to several workers use one id for
-        all; it must be fresh on this pinner.
+        fixes how many accessor ranks must report done (default: as the accessor's layout
+        says). `lease_id` lets a scheduler that fans a grant out to several workers use one
+        id for all; ids only increase on one pinner incarnation (an id is never reused, so a
+        late message about an old lease can never touch a new one).
         """
         self._advance(now)
         if kind is _RENEWABLE and ttl is None:
@@ -247,12 +268,16 @@ class Pinner:
             raise LocalProtocolError(f"expected must be in [1, {_MAX_RANK}], got {expected}")
         if lease_id is None:
             lease_id = self._next_id
-        elif not 1 <= lease_id < 1 << 64:
-            raise LocalProtocolError(f"lease_id must be in [1, 2**64), got {lease_id}")
-        if lease_id in self._leases or lease_id in self._tombstones:
-            raise LocalProtocolError(f"lease id {lease_id} is already in use on this pinner")
-        self._next_id = max(self._next_id, lease_id + 1)
+        elif not isinstance(lease_id, int) or not self._next_id <= lease_id < _U64:
+            raise LocalProtocolError(
+                f"lease_id must be an integer in [{self._next_id}, 2**64): ids only increase on one "
+                f"incarnation, got {lease_id}"
+            )
+        if lease_id >= _U64:
+            raise LocalProtocolError("lease ids of this incarnation are exhausted: restart with a new incarnation")
+        self._next_id = lease_id + 1
         expiry = now + duration
+        check_time(expiry)
         lease = _Lease(lease_id, key, kind, expiry, expected or 0, push)
         self._leases[lease_id] = lease
         heapq.heappush(self._heap, (expiry, lease_id))
@@ -276,17 +301,18 @@ class Pinner:
         answered with "released", so the accessor learns within one round trip — and is
         freed at its current expiry (plus the push guard for push leases): freeing earlier
         could pull memory from under an access the accessor was entitled to start.
-        Releasing a lease that already ended is a harmless race (no output); releasing an id
-        never granted is misuse.
+        Releasing a lease that already ended (or any id below the next id, which may have
+        ended and been forgotten) is a harmless race (no output); an id this incarnation
+        never issued is misuse.
         """
         self._advance(now)
         lease = self._leases.get(lease_id)
         if lease is None:
-            if lease_id >= self._next_id or lease_id < 1:
+            if not 1 <= lease_id < self._next_id:
                 raise LocalProtocolError(f"lease id {lease_id} was never granted by this pinner")
             return ()
-        if lease.state is not _ACTIVE:
-            return ()  # already releasing, or a push write may still land: expiry frees it
+        if lease.state is not _ACTIVE or lease.expiry <= now:
+            return ()  # already releasing, expired, or a push write may still land: expiry frees it
         if not lease.promised:
             return (self._end(lease, EndReason.RELEASED, now),)
         lease.state = _RELEASING
@@ -304,7 +330,8 @@ class Pinner:
 
     def ended_reason(self, lease_id: int) -> EndReason | None:
         """Why a finished lease ended, while its tombstone lasts."""
-        return self._tombstones.get(lease_id)
+        tomb = self._tombstones.get(lease_id)
+        return None if tomb is None else tomb.reason
 
     @property
     def live_count(self) -> int:
@@ -332,7 +359,8 @@ class Pinner:
                 return (Rejected(message.engine_id, f"{type(message).__name__} is not for a pinner"),)
 
     def handshake_reply(self, now: LocalTime, message: Handshake) -> HandshakeReply:
-        """The reply to a handshake, for a driver that answers on a side channel."""
+        """The reply to a handshake, for a driver that answers on a side channel. It is bound
+        to the handshake it answers (the accessor's rank, session, seq and send time)."""
         self._advance(now)
         caps = ALL_CAPABILITIES | (Capability.VLLM_COMPAT if self._by_key is not None else 0)
         return HandshakeReply(
@@ -343,6 +371,9 @@ class Pinner:
             version=PROTOCOL_VERSION,
             capabilities=int(caps),
             max_message_bytes=self.config.max_message_bytes,
+            to_rank=message.rank,
+            to_session=message.session,
+            seq=message.seq,
             t_echo=PeerTime(message.t_send),
             t_recv=PeerTime(now),
             t_send=PeerTime(now),
@@ -356,46 +387,50 @@ class Pinner:
             return (Rejected(msg.engine_id, why), reply)
         return (reply,)
 
+    def _layout_rejection(self, engine_id: str, what: str, rank: int, ranks: int) -> Rejected | None:
+        """Refuse a message from an accessor rank that does not access this pinner rank."""
+        why = layout_error(self.ranks, ranks, rank)
+        if why is None and self.rank not in tp_layout(self.ranks, ranks, rank).targets:
+            why = f"accessor rank {rank} of {ranks} does not access pinner rank {self.rank} of {self.ranks}"
+        if why is None:
+            return None
+        self.counters.rejected += 1
+        return Rejected(engine_id, f"{what}: {why}")
+
+    def _bound_elsewhere(self, lease: _Lease, engine_id: str, rank: int, session: int) -> bool:
+        """Whether the lease speaks for another accessor (engine or session of this rank)."""
+        if lease.accessor is not None and lease.accessor != engine_id:
+            return True
+        sessions = lease.sessions
+        return sessions is not None and sessions.get(rank, session) != session
+
+    @staticmethod
+    def _bind(lease: _Lease, engine_id: str, rank: int, session: int) -> None:
+        lease.accessor = engine_id
+        if lease.sessions is None:
+            lease.sessions = {rank: session}
+        else:
+            lease.sessions.setdefault(rank, session)
+
     def _on_heartbeat(self, now: LocalTime, msg: Heartbeat) -> tuple[PinnerOutput, ...]:
         self.counters.heartbeats += 1
-        unknown: list[int] = []
-        expired: list[int] = []
-        released: list[int] = []
-        completed: list[int] = []
-        renewed = 0
-        if msg.incarnation != self.incarnation:
-            unknown = list(msg.lease_ids)
-        else:
-            new_expiry = now + self.config.lease_extension
-            leases = self._leases
-            tombstones = self._tombstones
-            for lease_id in msg.lease_ids:
-                lease = leases.get(lease_id)
-                if lease is not None and lease.state is _ACTIVE:
-                    if lease.kind is _RENEWABLE and new_expiry > lease.expiry:
-                        lease.expiry = new_expiry
-                    lease.promised = True
-                    renewed += 1
-                    continue
-                reason: EndReason | None
-                if lease is not None:  # releasing or quarantined: held, but no longer renewed
-                    reason = EndReason.RELEASED if lease.released else EndReason.EXPIRED
-                else:
-                    reason = tombstones.get(lease_id)
-                if reason is EndReason.EXPIRED:
-                    expired.append(lease_id)
-                elif reason is EndReason.RELEASED:
-                    released.append(lease_id)
-                elif reason is EndReason.ACCESS_DONE:
-                    completed.append(lease_id)
-                else:
-                    unknown.append(lease_id)
-        self.counters.renewed += renewed
+        bad = self._layout_rejection(msg.engine_id, "heartbeat", msg.rank, msg.ranks)
+        if bad is not None:
+            return (bad,)
+        out: list[PinnerOutput] = []
+        renewed, unknown, expired, released, completed, foreign = self._renew(
+            now, msg.incarnation, msg.lease_ids, msg.engine_id, msg.rank, msg.session
+        )
         self.counters.heartbeat_ids_missing += len(msg.lease_ids) - renewed
+        if foreign:
+            self.counters.rejected += 1
+            out.append(Rejected(msg.engine_id, f"heartbeat names {foreign} lease(s) held for another accessor"))
         ack = HeartbeatAck(
             engine_id=self.engine_id,
             rank=self.rank,
             incarnation=self.incarnation,
+            to_rank=msg.rank,
+            to_session=msg.session,
             seq=msg.seq,
             t_echo=PeerTime(msg.t_send),
             t_recv=PeerTime(now),
@@ -405,13 +440,83 @@ class Pinner:
             released=tuple(released),
             completed=tuple(completed),
         )
-        return (Send(msg.engine_id, msg.rank, ack),)
+        out.append(Send(msg.engine_id, msg.rank, ack))
+        return tuple(out)
+
+    def _renew(
+        self, now: LocalTime, incarnation: int, lease_ids: Iterable[int], engine_id: str, rank: int, session: int
+    ) -> tuple[int, list[int], list[int], list[int], list[int], int]:
+        """Renew every named lease that is ACTIVE, not yet expired at `now`, and held for this
+        accessor; classify the rest. Returns (renewed, unknown, expired, released, completed,
+        how many were held for another accessor)."""
+        unknown: list[int] = []
+        expired: list[int] = []
+        released: list[int] = []
+        completed: list[int] = []
+        renewed = 0
+        foreign = 0
+        if incarnation != self.incarnation:
+            unknown = list(lease_ids)
+        else:
+            new_expiry = now + self.config.lease_extension
+            leases = self._leases
+            tombstones = self._tombstones
+            for lease_id in lease_ids:
+                lease = leases.get(lease_id)
+                if lease is not None and lease.state is _ACTIVE and lease.expiry > now:
+                    # Binding (inlined `_bound_elsewhere` + `_bind`: this loop is the hot path).
+                    bound = lease.accessor
+                    if bound is None:
+                        lease.accessor = engine_id
+                        lease.sessions = {rank: session}
+                    elif bound != engine_id:
+                        foreign += 1
+                        unknown.append(lease_id)
+                        continue
+                    else:
+                        sessions = lease.sessions
+                        held = None if sessions is None else sessions.get(rank)
+                        if held is None:
+                            self._bind(lease, engine_id, rank, session)
+                        elif held != session:
+                            foreign += 1
+                            unknown.append(lease_id)
+                            continue
+                    if lease.kind is _RENEWABLE and new_expiry > lease.expiry:
+                        lease.expiry = new_expiry
+                    lease.promised = True
+                    renewed += 1
+                    continue
+                reason: EndReason | None
+                if lease is not None:  # releasing, quarantined or overdue: held, but no longer renewed
+                    reason = EndReason.RELEASED if lease.released else EndReason.EXPIRED
+                else:
+                    tomb = tombstones.get(lease_id)
+                    reason = None if tomb is None else tomb.reason
+                if reason is EndReason.EXPIRED:
+                    expired.append(lease_id)
+                elif reason is EndReason.RELEASED:
+                    released.append(lease_id)
+                elif reason is EndReason.ACCESS_DONE:
+                    completed.append(lease_id)
+                else:
+                    unknown.append(lease_id)
+        self.counters.renewed += renewed
+        return renewed, unknown, expired, released, completed, foreign
 
     def _on_access_done(self, now: LocalTime, msg: AccessDone) -> tuple[PinnerOutput, ...]:
+        bad = self._layout_rejection(msg.engine_id, "access-done", msg.rank, msg.ranks)
+        if bad is not None:
+            return (bad,)
         out: list[PinnerOutput] = []
-        outcome = self._count_access(now, msg.incarnation, msg.lease_id, msg.rank, msg.expected, msg.engine_id, out)
+        expected = tp_layout(self.ranks, msg.ranks, msg.rank).expected
+        outcome = self._count_access(
+            now, msg.incarnation, msg.lease_id, msg.engine_id, msg.rank, msg.session, expected, out
+        )
         if msg.confirm:
-            ack = AccessDoneAck(self.engine_id, self.rank, self.incarnation, msg.lease_id, outcome)
+            ack = AccessDoneAck(
+                self.engine_id, self.rank, self.incarnation, msg.rank, msg.session, msg.lease_id, msg.attempt, outcome
+            )
             out.append(Send(msg.engine_id, msg.rank, ack))
         return tuple(out)
 
@@ -420,63 +525,81 @@ class Pinner:
         now: LocalTime,
         incarnation: int,
         lease_id: int,
-        rank: int,
-        expected: int,
         sender: str,
+        rank: int,
+        session: int,
+        expected: int,
         out: list[PinnerOutput],
     ) -> AccessOutcome:
+        """Count one accessor rank's access-done; the verdict is OK iff the memory was still
+        pinned, not overdue, and held for this accessor when the message was handled (or the
+        lease already completed with this very rank counted)."""
         lease = self._leases.get(lease_id) if incarnation == self.incarnation else None
         if lease is None:
-            reason = self._tombstones.get(lease_id) if incarnation == self.incarnation else None
-            if reason is EndReason.ACCESS_DONE:
-                return AccessOutcome.OK  # a duplicate of an access counted while live
+            tomb = self._tombstones.get(lease_id) if incarnation == self.incarnation else None
+            if (
+                tomb is not None and tomb.reason is EndReason.ACCESS_DONE and tomb.accessor == sender
+                and tomb.done is not None and rank in tomb.done
+            ):
+                return AccessOutcome.OK  # a duplicate of this rank's access-done, counted while live
             self.counters.late_access_done += 1
-            return AccessOutcome.STALE if reason is not None else AccessOutcome.UNKNOWN
-        if lease.state is LeaseState.QUARANTINED:
+            return AccessOutcome.STALE if tomb is not None else AccessOutcome.UNKNOWN
+        if lease.state is LeaseState.QUARANTINED or lease.expiry <= now:
             self.counters.late_access_done += 1
-            return AccessOutcome.STALE
-        # ACTIVE or RELEASING: the memory is still pinned, so the access saw valid data.
-        if not 0 <= rank < _MAX_RANK + _MAX_RANK or not 1 <= expected <= _MAX_RANK:
+            return AccessOutcome.STALE  # expired (the next handle_timeout frees or quarantines it)
+        if self._bound_elsewhere(lease, sender, rank, session):
             self.counters.rejected += 1
-            out.append(Rejected(sender, f"access-done rank {rank} / expected {expected} out of range"))
+            out.append(Rejected(sender, f"access-done for lease {lease_id}, which is held for another accessor"))
             return AccessOutcome.STALE
         if lease.expected and expected != lease.expected:
             self.counters.rejected += 1
             why = f"access-done for lease {lease_id} expects {expected} ranks, granted with {lease.expected}"
             out.append(Rejected(sender, why))
             return AccessOutcome.STALE
+        self._bind(lease, sender, rank, session)
+        # ACTIVE or RELEASING: the memory is still pinned, so the access saw valid data.
+        self._count_rank(now, lease, rank, expected, EndReason.RELEASED if lease.released else EndReason.ACCESS_DONE,
+                         out)
+        return AccessOutcome.OK
+
+    def _count_rank(
+        self, now: LocalTime, lease: _Lease, rank: int, expected: int, reason: EndReason, out: list[PinnerOutput]
+    ) -> None:
+        """Count one accessor rank as finished (done or released); end the lease when every
+        expected rank is counted. The one place ranks are counted."""
         lease.expected = expected
         done = (lease.done or frozenset()) | {rank}
         lease.done = done
         if len(done) >= expected:
-            out.append(self._end(lease, EndReason.RELEASED if lease.released else EndReason.ACCESS_DONE, now))
-        return AccessOutcome.OK
+            out.append(self._end(lease, reason, now))
 
     def _on_release(self, now: LocalTime, msg: Release) -> tuple[PinnerOutput, ...]:
+        bad = self._layout_rejection(msg.engine_id, "release", msg.rank, msg.ranks)
+        if bad is not None:
+            return (bad,)
         if msg.incarnation != self.incarnation:
             return ()
         out: list[PinnerOutput] = []
-        if not 1 <= msg.expected <= _MAX_RANK:
-            self.counters.rejected += 1
-            return (Rejected(msg.engine_id, f"release expects {msg.expected} ranks, out of range"),)
+        expected = tp_layout(self.ranks, msg.ranks, msg.rank).expected
         for lease_id in msg.lease_ids:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.state is LeaseState.QUARANTINED:
+            if lease is None or lease.state is LeaseState.QUARANTINED or lease.expiry <= now:
+                continue  # ended, or expired: expiry frees it
+            if self._bound_elsewhere(lease, msg.engine_id, msg.rank, msg.session):
+                self.counters.rejected += 1
+                out.append(Rejected(msg.engine_id, f"release of lease {lease_id}, which is held for another accessor"))
                 continue
             # A release counts like an access-done of that rank without data: the lease ends
             # only when every expected accessor rank has finished or released, so one rank's
             # abort never frees memory another rank may be reading under its validity.
-            if lease.expected and msg.expected != lease.expected:
+            if lease.expected and expected != lease.expected:
                 self.counters.rejected += 1
-                why = f"release for lease {lease_id} expects {msg.expected} ranks, granted with {lease.expected}"
+                why = f"release for lease {lease_id} expects {expected} ranks, granted with {lease.expected}"
                 out.append(Rejected(msg.engine_id, why))
                 continue
-            lease.expected = msg.expected
+            self._bind(lease, msg.engine_id, msg.rank, msg.session)
             lease.released = True
-            done = (lease.done or frozenset()) | {msg.rank}
-            lease.done = done
-            if len(done) >= msg.expected:
-                out.append(self._end(lease, EndReason.RELEASED, now))
+            self._count_rank(now, lease, msg.rank, expected, EndReason.RELEASED, out)
         return tuple(out)
 
     # -- vLLM compatibility -----------------------------------------------------------------
@@ -487,10 +610,9 @@ class Pinner:
         self._advance(now)
         by_key = self._require_compat()
         ids = sorted({by_key[k] for k in request_ids if k in by_key})
-        hb = Heartbeat("vllm", 0, self.incarnation, 0, LocalTime(now), tuple(ids))
-        renewed_before = self.counters.renewed
-        self._on_heartbeat(now, hb)
-        return self.counters.renewed - renewed_before
+        self.counters.heartbeats += 1
+        renewed = self._renew(now, self.incarnation, ids, _COMPAT_ENGINE, 0, 0)[0]
+        return renewed
 
     def receive_vllm_done(self, now: LocalTime, request_id: str, count: int) -> tuple[PinnerOutput, ...]:
         """Handle a stock vLLM ``id:count`` read-done notification (one per reading worker;
@@ -498,13 +620,21 @@ class Pinner:
         self._advance(now)
         by_key = self._require_compat()
         lease_id = by_key.get(request_id)
-        if lease_id is None or lease_id not in self._leases:
+        lease = None if lease_id is None else self._leases.get(lease_id)
+        if lease is None or lease.state is LeaseState.QUARANTINED or lease.expiry <= now:
             self.counters.late_access_done += 1
             return ()
-        lease = self._leases[lease_id]
-        pseudo_rank = _COMPAT_RANK_BASE + len(lease.done or ())
+        if lease.accessor is not None and lease.accessor != _COMPAT_ENGINE:
+            self.counters.rejected += 1
+            return (Rejected(_COMPAT_ENGINE, f"vLLM read-done for {request_id!r}, held for a kvlease accessor"),)
+        if not 1 <= count <= _MAX_RANK or (lease.expected and count != lease.expected):
+            self.counters.rejected += 1
+            return (Rejected(_COMPAT_ENGINE, f"vLLM read-done for {request_id!r} counts {count} readers"),)
+        lease.accessor = _COMPAT_ENGINE
         out: list[PinnerOutput] = []
-        self._count_access(now, self.incarnation, lease_id, pseudo_rank, count, "vllm", out)
+        pseudo_rank = _COMPAT_RANK_BASE + len(lease.done or ())
+        reason = EndReason.RELEASED if lease.released else EndReason.ACCESS_DONE
+        self._count_rank(now, lease, pseudo_rank, count, reason, out)
         return tuple(out)
 
     def _require_compat(self) -> dict[str, int]:
@@ -520,7 +650,7 @@ class Pinner:
         if self._by_key is not None and self._by_key.get(lease.key) == lease.lease_id:
             del self._by_key[lease.key]
         if self.config.tombstone_limit:
-            self._tombstones[lease.lease_id] = reason
+            self._tombstones[lease.lease_id] = _Tombstone(reason, lease.accessor, lease.done)
             if len(self._tombstones) > self.config.tombstone_limit:
                 self._tombstones.popitem(last=False)
         if reason is EndReason.EXPIRED:

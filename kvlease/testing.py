@@ -214,7 +214,7 @@ class Pair:
         self.real = 0.0
         inc = rng.randrange(1, 1 << 64) if incarnation is None else incarnation
         self.pinner = Pinner(config, pinner_engine, inc)
-        self.accessor = accessor_cls(accessor_config or config, accessor_engine)
+        self.accessor = accessor_cls(accessor_config or config, accessor_engine, session=rng.randrange(1, 1 << 64))
         limit = config.max_message_bytes
         self.to_pinner = FakeLink(rng, to_pinner, max_bytes=limit)
         self.to_accessor = FakeLink(rng, to_accessor, max_bytes=limit)

@@ -69,8 +69,8 @@ def pinner_side() -> Iterator[Driver]:
 def _accessor(clock: Callable[[], float] | None = None, **kw: float) -> Driver:
     t = ZmqTransport("D", bind="tcp://127.0.0.1:0")
     if clock is None:
-        return Driver(t, accessor=Accessor(CFG, "D"), **kw)  # type: ignore[arg-type]
-    return Driver(t, accessor=Accessor(CFG, "D"), clock=clock, **kw)  # type: ignore[arg-type]
+        return Driver(t, accessor=Accessor(CFG, "D", session=7), **kw)  # type: ignore[arg-type]
+    return Driver(t, accessor=Accessor(CFG, "D", session=7), clock=clock, **kw)  # type: ignore[arg-type]
 
 
 def test_zmq_transport_satisfies_the_protocol(pinner_side: Driver) -> None:
@@ -174,7 +174,7 @@ async def test_asyncio_service_runs_a_lease_end_to_end() -> None:
 
     pt = ZmqTransport("P")
     p = Driver(pt, pinner=Pinner(CFG, "P", 7), on_event=on_event)
-    d = Driver(ZmqTransport("D"), accessor=Accessor(CFG, "D"), on_event=on_event)
+    d = Driver(ZmqTransport("D"), accessor=Accessor(CFG, "D", session=7), on_event=on_event)
     region = bytearray(b"kv" * 512)
     pt.register("r", region)
     d.track("r", p.grant("r"), address=pt.address)
@@ -321,7 +321,7 @@ def test_access_done_rides_on_the_read_not_a_separate_send(pinner_side: Driver) 
     region = bytearray(b"\x5a") * 4096
     p.transport.register("r", region)
     t = _SendLog("D", bind="tcp://127.0.0.1:0")
-    d = Driver(t, accessor=Accessor(CFG, "D"))
+    d = Driver(t, accessor=Accessor(CFG, "D", session=7))
     events: list[DriverEvent] = []
     try:
         d.track("r", p.grant("r", nbytes=4096), address=p.transport.address)
@@ -354,7 +354,7 @@ def test_attached_confirmation_is_answered_even_when_the_answer_races_the_comple
     p.transport.register("c", region)
     clock = FakeClock()
     t = _SendLog("D", bind="tcp://127.0.0.1:0")
-    d = Driver(t, accessor=Accessor(CFG, "D"), clock=clock)
+    d = Driver(t, accessor=Accessor(CFG, "D", session=7), clock=clock)
     events: list[DriverEvent] = []
     try:
         d.track("c", p.grant("c"), address=p.transport.address)

@@ -42,7 +42,7 @@ def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import torch
     from kvlease.transports._base import PeerDead, PeerSuspect, TransferFailed
-    from kvlease.transports._driver import Driver
+    from kvlease.transports._driver import Driver, new_session
     from kvlease.transports.nixl import NixlTransport
 
     from kvlease import (
@@ -64,7 +64,7 @@ def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
     if role == "pinner":
         driver = Driver(transport, pinner=Pinner(config, engine_id, incarnation), engine_ttl=LEASE)
     else:
-        driver = Driver(transport, accessor=Accessor(config, engine_id), engine_ttl=LEASE)
+        driver = Driver(transport, accessor=Accessor(config, engine_id, session=new_session()), engine_ttl=LEASE)
     tensors: dict[str, Any] = {}
     buffers: dict[str, Any] = {}
 

@@ -20,7 +20,7 @@ from ._base import (
     TransferResult,
     Transport,
 )
-from ._driver import Driver, DriverEvent
+from ._driver import Driver, DriverEvent, new_session
 from ._stats import TransportStats
 
 __all__ = [
@@ -38,4 +38,5 @@ __all__ = [
     "TransferResult",
     "Transport",
     "TransportStats",
+    "new_session",
 ]

@@ -37,8 +37,9 @@ data landed; ZMQ: the next frame in the same ordered stream, after the data land
 calls `Accessor.access_finished(..., notified=True)`, which sends a separate access-done only
 when a confirmation is still needed that the attached one did not ask for. An access made of
 several transfers (heterogeneous TP: one per pinner rank) attaches it to every part, so each
-pinner rank frees once its own part landed; if a part fails after others landed, the lease is
-given up (a retry could read a rank that already freed). Completed transfers
+pinner rank frees once its own part landed. If a posted access fails, the core gives the lease up
+(`LeaseLost(access_failed)`): a cancelled part may still land with its notification, so a retry
+under the same lease could read a rank that already freed. Completed transfers
 are handled *before* the inbound frames of the same step, so the pinner's answer to an attached
 notification (an `AccessDoneAck`) always finds the access finished.
 """
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import assert_never
@@ -110,6 +112,13 @@ DriverEvent = Free | LeaseLost | AccessCompleted | AccessStale | Rejected | Peer
 _LOG_PEERS_MAX = 1024  # bound on the per-peer log limiter (hostile peers invent names)
 
 
+def new_session() -> int:
+    """A fresh accessor session (or pinner incarnation): 64 random bits from the OS. Each
+    process start must use a new one; the core takes it as a parameter because it never
+    reads randomness itself."""
+    return secrets.randbits(64)
+
+
 @attrs.define
 class _Access:
     key: str
@@ -120,6 +129,7 @@ class _Access:
     failed: str = ""
     notified: bool = False  # the access-done rode on the transfer
     landed: int = 0  # parts that completed (their pinner ranks have the access-done)
+    posted: int = 0  # parts handed to the transport (their notification may land)
 
 
 @attrs.define
@@ -302,7 +312,7 @@ class Driver:
         plan: list[tuple[int, str, object]] = []
         if isinstance(bufs, Mapping):
             if set(bufs) != set(decision.targets):
-                accessor.access_failed(now, key)
+                accessor.access_failed(now, key, posted=False)
                 raise ValueError(
                     f"buffers given for pinner ranks {sorted(bufs)}, the access targets {list(decision.targets)}"
                 )
@@ -312,7 +322,7 @@ class Driver:
         elif len(decision.targets) == 1:
             plan.append((decision.targets[0], region, bufs))
         else:
-            accessor.access_failed(now, key)
+            accessor.access_failed(now, key, posted=False)
             raise ValueError(f"the access targets pinner ranks {list(decision.targets)}: pass one buffer per rank")
         assert decision.notification is not None
         # Attached to every part: each pinner rank hears the access-done only after its part
@@ -334,6 +344,7 @@ class Driver:
                 acc.failed = f"{type(exc).__name__}: {exc}"
                 continue
             acc.handles.add(h)
+            acc.posted += 1
             self._handles[h] = key
             self._peer(engine_id).sent(now)
         if not acc.handles:
@@ -584,13 +595,13 @@ class Driver:
         assert self.accessor is not None
         del self._accesses[acc.key]
         if acc.failed:
-            self._dispatch(now, self.accessor.access_failed(now, acc.key))
-            if acc.landed:
-                # Some parts landed with their access-done attached: those pinner ranks may
-                # free now, so a retry could read freed memory. Give the lease up instead.
-                self._dispatch(now, self.accessor.untrack(now, acc.key))
+            # A posted part's notification may still land (a cancel races the completion), so
+            # the core gives the lease up then; only an access nothing of which was posted
+            # may be retried under the same lease.
+            self._dispatch(now, self.accessor.access_failed(now, acc.key, posted=acc.posted > 0))
+            if acc.posted:
                 self._track_engine.pop(acc.key, None)
-                acc.failed += f" (after {acc.landed} part(s) landed: lease given up, recompute)"
+                acc.failed += f" ({acc.posted} part(s) posted, {acc.landed} landed: lease given up, recompute)"
             self._pending.append(TransferFailed(acc.key, acc.failed))
         else:
             self._dispatch(now, self.accessor.access_finished(now, acc.key, notified=acc.notified))

@@ -57,6 +57,7 @@ from ..transports import (  # type: ignore[import-not-found,unused-ignore]
     TransferFailed,
     TransferResult,
     Transport,
+    new_session,
 )
 
 log = logging.getLogger("kvlease.demo")
@@ -406,7 +407,7 @@ class AccessorNode(Node):
         # so this scenario shows the lease expiring, not the peer being forgotten.
         self.driver = Driver(
             self.wire,
-            accessor=Accessor(self.config, ACCESSOR),
+            accessor=Accessor(self.config, ACCESSOR, session=new_session()),
             clock=self.clock,
             engine_ttl=4 * self.config.kv_lease_duration + float(spec.get("partition_end", 0.0)),
         )

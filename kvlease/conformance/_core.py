@@ -83,7 +83,8 @@ class CoreImplementation:
                 inc = _int(spec, "incarnation")
                 self._endpoints[name] = Pinner(config, engine_id, inc, rank=rank, ranks=ranks)
             elif role == "accessor":
-                self._endpoints[name] = Accessor(config, engine_id, rank=rank, ranks=ranks)
+                session = _int(spec, "session")
+                self._endpoints[name] = Accessor(config, engine_id, session=session, rank=rank, ranks=ranks)
             else:
                 raise VectorFormatError(f"endpoint {name!r} has unknown role {role!r}")
         return {"ok": True}
@@ -169,12 +170,14 @@ class CoreImplementation:
                 "guaranteed": d.guaranteed,
                 "valid_until": None if d.valid_until is None else float(d.valid_until),
                 "reason_text": d.reason,
+                "notification": None if d.notification is None else encode(d.notification).hex(),
+                "targets": list(d.targets),
             }
             return result, ()
         if op == "access_finished":
-            return None, a.access_finished(now, _str(args, "key"))
+            return None, a.access_finished(now, _str(args, "key"), notified=bool(args.get("notified", False)))
         if op == "access_failed":
-            return None, a.access_failed(now, _str(args, "key"))
+            return None, a.access_failed(now, _str(args, "key"), posted=bool(args.get("posted", True)))
         if op == "receive":
             return None, a.receive(now, decode(_hex(args, "hex")))
         if op == "handshake_reply":

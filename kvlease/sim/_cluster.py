@@ -47,7 +47,7 @@ from ._scenario import FaultKind, Policy, Scenario
 __all__ = ["AccessorFactory", "Cluster", "PinnerFactory", "RunResult", "Violation"]
 
 PinnerFactory = Callable[[LeaseConfig, str, int, int, int], Pinner]
-AccessorFactory = Callable[[LeaseConfig, str, int, int], Accessor]
+AccessorFactory = Callable[[LeaseConfig, str, int, int, int], Accessor]
 
 _INF = math.inf
 _heappush = heapq.heappush
@@ -354,7 +354,7 @@ class Cluster:
             lambda c, e, inc, r, n: Pinner(c, e, inc, rank=r, ranks=n)
         )
         self.accessor_factory: AccessorFactory = accessor_factory or (
-            lambda c, e, r, n: Accessor(c, e, rank=r, ranks=n)
+            lambda c, e, r, n, session: Accessor(c, e, session=session, rank=r, ranks=n)
         )
         self.check = check
         self.rng = random.Random(scenario.seed)
@@ -650,9 +650,15 @@ class Cluster:
     def _start_accessor(self, de: _DEngine) -> None:
         de.accessors = []
         if self.policy is Policy.KVLEASE:
-            de.accessors = [self.accessor_factory(self.cfg, de.name, r, de.tp) for r in range(de.tp)]
+            # Sessions differ per engine incarnation (generation) and rank, deterministically (no
+            # draw from the simulation's random streams).
+            session = (de.gen << 20) + 1
+            de.accessors = [self.accessor_factory(self.cfg, de.name, r, de.tp, session + r) for r in range(de.tp)]
             for r, acc in enumerate(de.accessors):
-                spec = {"role": "accessor", "engine_id": de.name, "rank": r, "ranks": de.tp, "generation": de.gen}
+                spec = {
+                    "role": "accessor", "engine_id": de.name, "rank": r, "ranks": de.tp, "generation": de.gen,
+                    "session": session + r,
+                }
                 self._register(acc, spec)
         de.replies = []
         de.reqs = {}
@@ -1113,8 +1119,8 @@ class Cluster:
             if not dec.allowed:
                 for s in started:
                     if self.recorded is not None:
-                        self._rec(de.accessors[s], now, "access_failed", {"key": req.key})
-                    de.accessors[s].access_failed(now, req.key)  # back to waiting
+                        self._rec(de.accessors[s], now, "access_failed", {"key": req.key, "posted": False})
+                    de.accessors[s].access_failed(now, req.key, posted=False)  # never posted: back to waiting
                 return False
             started.append(r)
         wl = self.sc.workload
@@ -1149,17 +1155,19 @@ class Cluster:
                 if acc.state_of(req.key) is not None:
                     if self.recorded is not None:
                         self._rec(acc, now, "access_failed", {"key": req.key})
-                    acc.access_failed(now, req.key)
+                    for out in acc.access_failed(now, req.key):
+                        self._d_output(de, r, out)
                 if self.recorded is not None:
                     self._rec(acc, now, "untrack", {"key": req.key})
                 for out in acc.untrack(now, req.key):
                     self._d_output(de, r, out)
             return
         if not ok:
-            for acc in de.accessors:
+            for r, acc in enumerate(de.accessors):
                 if self.recorded is not None:
                     self._rec(acc, now, "access_failed", {"key": req.key})
-                acc.access_failed(now, req.key)
+                for out in acc.access_failed(now, req.key):
+                    self._d_output(de, r, out)
             self._fail(de, req, "transfer failed")
             return
         if de.accessors:
@@ -1251,7 +1259,7 @@ class Cluster:
             if self._tracing:
                 self._trace(f"{de.name}.{rank}", "lease_lost", f"{out.key} {out.reason.value}")
             if req is not None:
-                if out.reason not in (LostReason.PINNER_RESTARTED, LostReason.UNREACHABLE):
+                if out.reason not in (LostReason.PINNER_RESTARTED, LostReason.UNREACHABLE, LostReason.ACCESS_FAILED):
                     self._trouble(req, f"lease lost ({out.reason.value})")
                 if req not in de.transfers:
                     self._fail(de, req, f"lease lost: {out.reason.value}")

@@ -9,7 +9,7 @@ implementation of the protocol could make. Used by tests and by ``kvlease sim --
 from __future__ import annotations
 
 from .._accessor import Accessor
-from .._config import LeaseConfig
+from .._config import MIN_VALIDITY_MARGIN, LeaseConfig
 from .._pinner import Pinner
 from ._cluster import AccessorFactory, PinnerFactory
 
@@ -36,17 +36,17 @@ def long_lease_pinner(config: LeaseConfig, engine_id: str, incarnation: int, ran
     return Pinner(wrong, engine_id, incarnation, rank=rank, ranks=ranks)
 
 
-def overstated_extension_accessor(config: LeaseConfig, engine_id: str, rank: int, ranks: int) -> Accessor:
+def overstated_extension_accessor(config: LeaseConfig, engine_id: str, rank: int, ranks: int, session: int) -> Accessor:
     """An accessor that computes validity from a 10% longer extension than the pinner grants."""
     wrong = config.with_changes(kv_lease_duration=config.kv_lease_duration * 1.1)
-    return Accessor(wrong, engine_id, rank=rank, ranks=ranks)
+    return Accessor(wrong, engine_id, session=session, rank=rank, ranks=ranks)
 
 
-def no_drift_margin_accessor(config: LeaseConfig, engine_id: str, rank: int, ranks: int) -> Accessor:
+def no_drift_margin_accessor(config: LeaseConfig, engine_id: str, rank: int, ranks: int, session: int) -> Accessor:
     """An accessor whose validity omits the drift shrink and the safety margin (the classic
     lease bug: trusting that the pinner's clock runs at our rate)."""
-    wrong = config.with_changes(max_drift_rate=0.0, validity_margin=0.0)
-    return Accessor(wrong, engine_id, rank=rank, ranks=ranks)
+    wrong = config.with_changes(max_drift_rate=0.0, validity_margin=MIN_VALIDITY_MARGIN)
+    return Accessor(wrong, engine_id, session=session, rank=rank, ranks=ranks)
 
 
 #: name -> (pinner factory, accessor factory); None keeps the real one.
