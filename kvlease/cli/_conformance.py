@@ -31,10 +31,20 @@ class SubprocessDriver:
     def __init__(self, command: str, *, timeout: float = 10.0) -> None:
         self.command = command
         self.timeout = timeout
-        self._proc = subprocess.Popen(
-            shlex.split(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            bufsize=0,  # stderr is inherited: a chatty driver cannot fill a pipe and stall
-        )
+        self.answered = 0  # responses received: none at all means the driver never worked
+        try:
+            argv = shlex.split(command)
+        except ValueError as exc:
+            raise DriverError(f"cannot parse the driver command {command!r}: {exc}") from None
+        if not argv:
+            raise DriverError("the driver command is empty")
+        try:
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                bufsize=0,  # stderr is inherited: a chatty driver cannot fill a pipe and stall
+            )
+        except OSError as exc:  # not found, not executable, ...
+            raise DriverError(f"cannot start the driver {argv[0]!r}: {exc.strerror or exc}") from None
         assert self._proc.stdout is not None and self._proc.stdin is not None
         os.set_blocking(self._proc.stdout.fileno(), False)
         self._sel = selectors.DefaultSelector()
@@ -66,7 +76,11 @@ class SubprocessDriver:
                 raise DriverError(f"driver gave no answer within {self.timeout} s")
             chunk = self._proc.stdout.read(65536)
             if chunk == b"":
-                raise DriverError(f"driver exited ({self._proc.poll()}); {self._stderr_tail()}")
+                try:  # stdout closed: the exit status follows at once
+                    status: int | None = self._proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    status = None
+                raise DriverError(f"driver closed its output (exit status {status}); {self._stderr_tail()}")
             if chunk is not None:
                 self._buf += chunk
         line, _, self._buf = self._buf.partition(b"\n")
@@ -76,7 +90,12 @@ class SubprocessDriver:
             raise DriverError(f"driver answered a line that is not JSON: {line[:200]!r}") from None
         if not isinstance(response, dict):
             raise DriverError(f"driver answered {type(response).__name__}, not an object")
+        self.answered += 1
         return response
+
+    @property
+    def exit_status(self) -> int | None:
+        return self._proc.poll()
 
     def _stderr_tail(self) -> str:
         return "see its stderr above"
@@ -150,9 +169,18 @@ def conformance(driver_cmd: str | None, vectors_dir: Path | None, names: tuple[s
         target = "in-process Python core"
     else:
         results = []
-        drv = SubprocessDriver(driver_cmd, timeout=timeout)
+        try:
+            drv = SubprocessDriver(driver_cmd, timeout=timeout)
+        except DriverError as exc:
+            raise click.ClickException(str(exc)) from None
         try:
             for v in vectors:
+                if drv.broken and drv.answered == 0:
+                    status = drv.exit_status
+                    how = f"exited at once (status {status})" if status is not None else "never answered"
+                    raise click.ClickException(
+                        f"the driver {driver_cmd!r} {how} without answering a single request; see its stderr"
+                    )
                 if drv.broken:  # one that crashed or hung on a vector is checked on the rest
                     drv.close()
                     drv = SubprocessDriver(driver_cmd, timeout=timeout)
@@ -175,6 +203,6 @@ def conformance(driver_cmd: str | None, vectors_dir: Path | None, names: tuple[s
         first = failed[0].mismatch
         assert first is not None
         console.print(f"[red]{len(failed)} of {len(results)} vectors failed.[/] First mismatch:")
-        console.print(first.render(), markup=False, highlight=False)
+        console.print(first.render(), markup=False, highlight=False, soft_wrap=True)
         raise SystemExit(1)
     console.print(f"[green]all {len(results)} vectors pass[/]")

@@ -18,7 +18,7 @@ import attrs
 
 from .._codec import decode
 from .._errors import DecodeError
-from ._canonical import JSON, JSONDict, compare, message_to_json, strip_informative
+from ._canonical import FLOAT_TOLERANCE, INFORMATIVE_KEYS, JSON, JSONDict, compare, message_to_json, strip_informative
 
 __all__ = ["VECTOR_FORMAT", "Implementation", "Mismatch", "VectorResult", "run_vector", "run_vectors"]
 
@@ -46,9 +46,10 @@ class Mismatch:
 
     def render(self) -> str:
         """A readable report: what was asked, why it failed, and a diff of the responses
-        (wire bytes shown decoded as well, so a wrong field is visible at a glance)."""
-        exp = json.dumps(_decorate(self.expected), indent=2, sort_keys=True).splitlines()
-        act = json.dumps(_decorate(self.actual), indent=2, sort_keys=True).splitlines()
+        without the keys that do not bind (notes, reason texts), wire bytes shown decoded as
+        well, so a wrong field is visible at a glance."""
+        exp = json.dumps(_decorate(_for_diff(self.expected)), indent=2, sort_keys=True).splitlines()
+        act = json.dumps(_decorate(_for_diff(self.actual)), indent=2, sort_keys=True).splitlines()
         diff = "\n".join(difflib.unified_diff(exp, act, "expected", "actual", lineterm=""))
         return (
             f"vector {self.vector!r}, {self.label}: {self.why}\n"
@@ -129,10 +130,45 @@ def _run_trace(name: str, desc: str, vector: JSONDict, impl: Implementation) -> 
             return VectorResult(name, "trace", desc, i, total, Mismatch(name, i, label, resp, request, expected, None))
         actual = _response_view(resp, expected)
         diff = compare(strip_informative(expected), strip_informative(actual))
+        if diff is None:
+            diff = _check_deadline(request, expected, resp)
+            if diff is not None:
+                actual = {**actual, "next_deadline": resp.get("next_deadline")}
         if diff is not None:
+            message = actual.get("error_message")
+            if isinstance(message, str) and message:
+                diff += f" (the implementation said: {message})"
             mm = Mismatch(name, i, label, diff, request, expected, actual)
             return VectorResult(name, "trace", desc, i, total, mm)
     return VectorResult(name, "trace", desc, total, total, None)
+
+
+def _check_deadline(request: JSONDict, expected: JSON, resp: JSONDict) -> str | None:
+    """`next_deadline` binds as a bound: None exactly when the reference has nothing pending,
+    otherwise no later than the reference's (waking early is allowed, late is not; overdue
+    work may leave it before `now`), and right after `handle_timeout` strictly after `now`
+    (no busy loop)."""
+    if not isinstance(expected, dict) or expected.get("ok") is not True or "next_deadline" not in expected:
+        return None
+    want, got, now = expected.get("next_deadline"), resp.get("next_deadline"), request.get("now")
+    if want is None or got is None:
+        return None if want is got else f"$.next_deadline: expected {want!r}, got {got!r}"
+    if not isinstance(got, int | float) or isinstance(got, bool) or not isinstance(want, int | float):
+        return f"$.next_deadline: expected a number, got {got!r}"
+    if got > want + FLOAT_TOLERANCE:
+        return f"$.next_deadline: {got!r} is later than the reference deadline {want!r} (work would run late)"
+    if isinstance(now, int | float) and request.get("op") == "handle_timeout" and got <= now:
+        return f"$.next_deadline: {got!r} is not after now={now!r} right after handle_timeout (a busy loop)"
+    return None
+
+
+def _for_diff(v: JSON) -> JSON:
+    """Drop the keys that do not bind (but keep next_deadline, which binds as a bound)."""
+    if isinstance(v, dict):
+        return {k: _for_diff(x) for k, x in v.items() if k not in INFORMATIVE_KEYS or k == "next_deadline"}
+    if isinstance(v, list):
+        return [_for_diff(x) for x in v]
+    return v
 
 
 def _response_view(resp: JSONDict, expected: JSON) -> JSONDict:
@@ -140,6 +176,7 @@ def _response_view(resp: JSONDict, expected: JSON) -> JSONDict:
     (+ category for decode errors)."""
     if resp.get("ok") is True:
         return {"ok": True, "result": resp.get("result"), "outputs": resp.get("outputs")}
+    # error_message is informative (compare skips it) but shown in the headline.
     err = resp.get("error")
     view: JSONDict = {"ok": resp.get("ok")}
     if isinstance(err, dict):

@@ -113,8 +113,8 @@ def pinner(engine_id: str, incarnation: int, rank: int = 0, ranks: int = 1) -> d
     return {"role": "pinner", "engine_id": engine_id, "incarnation": incarnation, "rank": rank, "ranks": ranks}
 
 
-def accessor(engine_id: str, rank: int = 0, ranks: int = 1) -> dict[str, Any]:
-    return {"role": "accessor", "engine_id": engine_id, "rank": rank, "ranks": ranks}
+def accessor(engine_id: str, rank: int = 0, ranks: int = 1, session: int = 0xACCE55) -> dict[str, Any]:
+    return {"role": "accessor", "engine_id": engine_id, "rank": rank, "ranks": ranks, "session": session}
 
 
 def connect(r: Recorder, acc: str, pin: str, hs_out: dict[str, Any], t: float) -> None:
@@ -127,8 +127,9 @@ def connect(r: Recorder, acc: str, pin: str, hs_out: dict[str, Any], t: float) -
 
 def heartbeat_round(r: Recorder, acc: str, pins: list[str], t: float, *, lose_to: bool = False,
                     lose_back: bool = False) -> list[dict[str, Any]]:
-    """Accessor's due heartbeat at t, delivered to every pinner rank 0.25 s later, acks back
-    0.25 s after that. Returns the acks' receive responses."""
+    """Accessor's due heartbeat at t, each send delivered to the pinner rank it addresses
+    (`pins[rank]`) 0.25 s later, acks back 0.25 s after that. Returns the acks' receive
+    responses."""
     hb = r.at(t).step(acc, "handle_timeout")
     sends = outs(hb, "Send")
     assert sends and all(s["message"]["type"] == "Heartbeat" for s in sends), hb
@@ -136,9 +137,8 @@ def heartbeat_round(r: Recorder, acc: str, pins: list[str], t: float, *, lose_to
         return []
     acks: list[dict[str, Any]] = []
     for s in sends:
-        for p in pins:
-            ack = r.at(t + 0.25).deliver(p, s)
-            acks.append(only(ack, "Send"))
+        ack = r.at(t + 0.25).deliver(pins[s["rank"]], s)
+        acks.append(only(ack, "Send"))
     if lose_back:
         return []
     return [r.at(t + 0.5).deliver(acc, a) for a in acks]
@@ -433,9 +433,11 @@ def pinner_restart() -> Recorder:
 
 def hetero_tp_pinner_wider() -> Recorder:
     r = Recorder("hetero_tp_pinner_wider", "Prefill TP=2, decode TP=1: the decoder's one worker "
-                 "reads from both prefill workers, heartbeats go to every prefill worker (rank "
-                 "null), validity needs the ack of every rank, and each prefill worker frees on "
-                 "the one access-done it expects.",
+                 "reads from both prefill workers, so it heartbeats each of them (one send per rank), "
+                 "validity needs the ack of every rank, and each prefill worker frees on the one "
+                 "access-done it expects. An access begun before the round is fully acknowledged is "
+                 "not guaranteed; the driver had not posted it, so it backs off (posted=false) and "
+                 "retries under the same lease.",
                  BASE, {"P0": pinner("prefill-0", 0x5EED0009, 0, 2), "P1": pinner("prefill-0", 0x5EED0009, 1, 2),
                         "D": accessor("decode-0")},
                  {"P0": 9000.0, "P1": 9000.0, "D": 123.0})
@@ -445,14 +447,15 @@ def hetero_tp_pinner_wider() -> Recorder:
     hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t), "HandshakeNeeded")
     connect(r, "D", "P0", hs, 0.25)
     hb = r.at(0.375).step("D", "handle_timeout")
-    send = only(hb, "Send")
-    assert send["rank"] is None
-    a0 = only(r.at(0.5).deliver("P0", send), "Send")
-    a1 = only(r.at(0.5).deliver("P1", send), "Send")
+    sends = outs(hb, "Send")
+    assert [s["rank"] for s in sends] == [0, 1] and sends[0]["hex"] == sends[1]["hex"]
+    a0 = only(r.at(0.5).deliver("P0", sends[0]), "Send")
+    a1 = only(r.at(0.5).deliver("P1", sends[1]), "Send")
     r.at(0.625).deliver("D", a0)
     dec = r.at(0.7).step("D", "begin_access", key="req-1", note="rank 1 has not acked yet")["result"]
-    assert dec["allowed"] and not dec["guaranteed"]
-    r.at(0.75).step("D", "access_failed", key="req-1", note="the driver backs off and retries")
+    assert dec["allowed"] and not dec["guaranteed"] and dec["targets"] == [0, 1]
+    r.at(0.75).step("D", "access_failed", key="req-1", posted=False,
+                    note="the driver backs off before posting anything, and retries")
     r.at(0.75).deliver("D", a1)
     dec = r.at(0.8).step("D", "begin_access", key="req-1")["result"]
     assert dec["allowed"] and dec["guaranteed"]
@@ -467,9 +470,10 @@ def hetero_tp_pinner_wider() -> Recorder:
 def hetero_tp_accessor_wider() -> Recorder:
     r = Recorder("hetero_tp_accessor_wider", "Prefill TP=1, decode TP=2: both decode workers "
                  "heartbeat the one prefill worker (it simply renews twice), and the lease ends "
-                 "only when both have reported their access done (expected=2).",
-                 BASE, {"P": pinner("prefill-0", 0x5EED000A), "D0": accessor("decode-0", 0, 2),
-                        "D1": accessor("decode-0", 1, 2)},
+                 "only when both have reported their access done (expected = 2, derived by the "
+                 "pinner from the sender's rank and ranks). A duplicate from one rank counts once.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED000A), "D0": accessor("decode-0", 0, 2, 0xD0),
+                        "D1": accessor("decode-0", 1, 2, 0xD1)},
                  {"P": 555.5, "D0": 70000.0, "D1": 70000.0})
     t = r.at(0.0).step("P", "grant", key="req-1")["result"]
     hs0 = only(r.at(0.0).step("D0", "track", key="req-1", ticket=t), "HandshakeNeeded")
@@ -484,7 +488,7 @@ def hetero_tp_accessor_wider() -> Recorder:
     fin0 = r.at(1.75).step("D0", "access_finished", key="req-1")
     fin1 = r.at(1.875).step("D1", "access_finished", key="req-1")
     s0, s1 = outs(fin0, "Send")[0], outs(fin1, "Send")[0]
-    assert s0["message"]["expected"] == 2 and s0["rank"] == 0 and s1["rank"] == 0
+    assert s0["message"]["ranks"] == 2 and s0["rank"] == 0 and s1["rank"] == 0
     assert r.at(2.0).deliver("P", s0)["outputs"] == []
     assert r.at(2.125).deliver("P", s0, "a duplicate from rank 0 does not count twice")["outputs"] == []
     assert only(r.at(2.25).deliver("P", s1), "Free")["reason"] == "access_done"
@@ -536,16 +540,20 @@ def release() -> Recorder:
 
 
 def heartbeat_batching() -> Recorder:
-    cfg = BASE.with_changes(max_message_bytes=128)
-    r = Recorder("heartbeat_batching", "60 leases on one pinner with a 128-byte message bound "
-                 "(a small-notification backend): the accessor splits its heartbeat into several "
-                 "messages, each within the bound, ids delta-encoded; the pinner acks each.",
+    cfg = BASE.with_changes(max_message_bytes=192)
+    r = Recorder("heartbeat_batching", "60 leases on one pinner with a 192-byte message bound "
+                 "(a small-notification backend): the accessor splits its heartbeat by the exact "
+                 "rule of spec §4.3 (budget = 192 - max(52 + 8, 114 + 9) = 69 bytes; each chunk "
+                 "costs 5 + size(first id) + the sizes of every other id's distance from the "
+                 "first), so every heartbeat and every ack answering it stays within the bound.",
                  cfg, {"P": pinner("prefill-0", 0x5EED000C), "D": accessor("decode-0")},
                  {"P": 300.0, "D": 4000.0})
     tickets = []
+    lid = 0
     for i in range(60):
-        # Gaps of 1 and of 300 exercise one-, two- and three-byte deltas.
-        lid = 1 + i + (300 * i if i % 7 == 0 else 0) + 1000 * (i // 7)
+        # Gaps of 1, 300, 1000 and 70000 exercise one-, three- and five-byte distances (ids only
+        # increase on one pinner incarnation).
+        lid += (1, 1, 300, 1, 1, 1000, 1, 70000)[i % 8]
         tickets.append(r.at(0.0).step("P", "grant", key=f"req-{i}", lease_id=lid)["result"])
     hs = only(r.at(0.0).step("D", "track", key="req-0", ticket=tickets[0]), "HandshakeNeeded")
     for i, tk in enumerate(tickets[1:], 1):
@@ -553,8 +561,9 @@ def heartbeat_batching() -> Recorder:
     connect(r, "D", "P", hs, 0.25)
     hb = r.at(0.375).step("D", "handle_timeout")
     sends = outs(hb, "Send")
-    assert len(sends) >= 2 and all(len(s["hex"]) // 2 <= 128 for s in sends), [len(s["hex"]) for s in sends]
+    assert len(sends) >= 2 and all(len(s["hex"]) // 2 <= 192 for s in sends), [len(s["hex"]) for s in sends]
     acks = [only(r.at(0.5).deliver("P", s), "Send") for s in sends]
+    assert all(len(a["hex"]) // 2 <= 192 for a in acks)
     assert sum(a["message"]["renewed"] for a in acks) == 60
     for ack in acks:
         assert r.at(0.625).deliver("D", ack)["outputs"] == []
@@ -586,36 +595,44 @@ def vllm_compat() -> Recorder:
 def rejections_and_misuse() -> Recorder:
     r = Recorder("rejections_and_misuse", "Messages that decode but are refused are Rejected "
                  "outputs (nothing else changes); bytes that do not decode are a DecodeError; "
-                 "local misuse (time running backwards, an id never granted, finishing an access "
-                 "never begun) is a LocalProtocolError and changes nothing.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED000E), "D": accessor("decode-0")},
+                 "local misuse (time running backwards, an id never issued, finishing an access "
+                 "never begun, tracking twice, a clock reading beyond 2**32 s) is a "
+                 "LocalProtocolError and changes nothing.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED000E), "D": accessor("decode-0", session=0xD)},
                  {"P": 50.0, "D": 60.0})
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
-    wrong = HeartbeatAck("decode-0", 0, 1, 1, 1.0, 1.0, 0)  # type: ignore[arg-type]
+    wrong = HeartbeatAck("decode-0", 0, 1, 0, 0xD, 1, 1.0, 1.0, 0)  # type: ignore[arg-type]
     assert only(r.at(0.5).step("P", "receive", hex=encode(wrong).hex()), "Rejected")["engine_id"] == "decode-0"
-    v2 = Handshake("decode-0", 0, 1, 2, 7, 60.5)  # type: ignore[arg-type]
-    resp = r.at(0.5).step("P", "receive", note="handshake from a future protocol version", hex=encode(v2).hex())
+    future = Handshake("decode-0", 0, 1, 0xD, 7, 7, 1, 60.5)  # type: ignore[arg-type]
+    resp = r.at(0.5).step("P", "receive", note="handshake announcing a future protocol version (in a v2 frame)",
+                          hex=encode(future).hex())
     assert [o["type"] for o in resp["outputs"]] == ["Rejected", "Send"]
     bad = r.at(0.5).step("P", "receive", hex="c14b9202")
     assert bad["error"]["class"] == "DecodeError"
     assert r.at(0.5).step("P", "receive", hex="4842")["error"]["category"] == "frame"
     back = r.step("P", "handle_timeout", note="time ran backwards", clock=r.local("P") - 0.25)
     assert back["error"]["class"] == "LocalProtocolError"
-    assert r.at(0.5).step("P", "release", lease_id=99)["error"]["class"] == "LocalProtocolError"
+    huge = r.step("P", "handle_timeout", note="a clock reading beyond 2**32 s", clock=float(2**32) + 1.0)
+    assert huge["error"]["class"] == "LocalProtocolError"
+    assert r.at(0.5).step("P", "release", lease_id=99, note="never issued")["error"]["class"] == "LocalProtocolError"
     assert r.at(0.5).step("D", "access_finished", key="req-1")["error"]["class"] == "LocalProtocolError"
     hs = only(r.at(0.5).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
     assert r.at(0.5).step("D", "track", key="req-1", ticket=t1)["error"]["class"] == "LocalProtocolError"
     connect(r, "D", "P", hs, 0.75)
-    done = AccessDone("decode-0", 0, 0x5EED000E, 1, 3, False, 61.0)  # type: ignore[arg-type]
-    r.at(1.0).step("P", "receive", hex=encode(done).hex(), note="first access-done fixes expected=3")
-    done2 = AccessDone("decode-0", 1, 0x5EED000E, 1, 2, False, 61.0)  # type: ignore[arg-type]
-    rej = r.at(1.0).step("P", "receive", hex=encode(done2).hex(), note="a rank disagreeing on expected")
+    bogus = AccessDone("decode-0", 3, 2, 0xD, 0x5EED000E, 1, 1, False, 61.0)  # type: ignore[arg-type]
+    rej = r.at(1.0).step("P", "receive", hex=encode(bogus).hex(), note="rank 3 of a 2-rank engine")
     assert only(rej, "Rejected")
-    hb = Heartbeat("decode-0", 0, 0x5EED000E, 1, 61.0, (1,))  # type: ignore[arg-type]
+    t2 = r.at(1.0).step("P", "grant", key="req-2", expected=2)["result"]
+    one = AccessDone("decode-0", 0, 1, 0xD, 0x5EED000E, t2["lease_id"], 1, False, 61.0)  # type: ignore[arg-type]
+    rej = r.at(1.0).step("P", "receive", hex=encode(one).hex(),
+                         note="granted with expected=2; a 1-rank accessor's layout says 1")
+    assert only(rej, "Rejected")
+    hb = Heartbeat("decode-0", 0, 1, 0xD, 0x5EED000E, 1, 61.0, (1,))  # type: ignore[arg-type]
     assert only(r.at(0.9 + 0.2).step("D", "receive", hex=encode(hb).hex()), "Rejected")
-    alien = HeartbeatAck("prefill-9", 0, 5, 1, 61.0, 51.0, 1)  # type: ignore[arg-type]
-    assert only(r.at(1.2).step("D", "receive", hex=encode(alien).hex()), "Rejected")["engine_id"] == "prefill-9"
-    forged = AccessDoneAck("prefill-0", 0, 0x5EED000E, 1, AccessOutcome.OK)
+    alien = HeartbeatAck("prefill-0", 0, 0x5EED000E, 0, 0xE, 1, 61.0, 51.0, 1)  # type: ignore[arg-type]
+    note = "an ack addressed to another session"
+    assert only(r.at(1.2).step("D", "receive", hex=encode(alien).hex(), note=note), "Rejected")
+    forged = AccessDoneAck("prefill-0", 0, 0x5EED000E, 0, 0xD, 1, 99, AccessOutcome.OK)
     note = "an unasked confirmation is ignored"
     assert r.at(1.3).step("D", "receive", hex=encode(forged).hex(), note=note)["outputs"] == []
     assert Release and HandshakeReply  # imported for the codec vectors below
@@ -629,14 +646,19 @@ def codec_cases() -> dict[str, Any]:
     from kvlease import decode, decode_vllm
 
     valid_msgs = [
-        ("handshake", Handshake("decode-0", 1, 2, 1, 7, 98333.25)),  # type: ignore[arg-type]
-        ("handshake_reply", HandshakeReply("prefill-0", 0, 2, 0x5EED0001, 1, 7, 1024, 98333.25, 14021.875, 14021.875)),  # type: ignore[arg-type]
-        ("heartbeat", Heartbeat("decode-0", 0, 0x5EED0001, 3, 98334.0, (1, 2, 3, 300, 70000, 2**63))),  # type: ignore[arg-type]
-        ("heartbeat_ack", HeartbeatAck("prefill-0", 1, 0x5EED0001, 3, 98334.0, 14022.5, 2, (7,), (8, 9), (), (12,))),  # type: ignore[arg-type]
-        ("access_done", AccessDone("decode-0", 1, 2**64 - 1, 42, 2, True, 98335.5)),  # type: ignore[arg-type]
-        ("access_done_ack", AccessDoneAck("prefill-0", 0, 5, 42, AccessOutcome.STALE)),
-        ("release", Release("decode-0", 0, 5, (4, 5, 900))),
-        ("heartbeat_empty_ids", Heartbeat("d", 0, 0, 0, 0.0, ())),  # type: ignore[arg-type]
+        ("handshake", Handshake("decode-0", 1, 2, 0xACCE55, 2, 7, 1, 98333.25)),  # type: ignore[arg-type]
+        ("handshake_reply", HandshakeReply(
+            "prefill-0", 0, 2, 0x5EED0001, 2, 7, 1024, 1, 0xACCE55, 1, 98333.25, 14021.875, 14021.875)),  # type: ignore[arg-type]
+        ("heartbeat", Heartbeat(
+            "decode-0", 0, 1, 0xACCE55, 0x5EED0001, 3, 98334.0, (1, 2, 3, 300, 70000, 2**63))),  # type: ignore[arg-type]
+        ("heartbeat_ack", HeartbeatAck(
+            "prefill-0", 1, 0x5EED0001, 0, 0xACCE55, 3, 98334.0, 14022.5, 2, (7,), (8, 9), (), (12,))),  # type: ignore[arg-type]
+        ("access_done", AccessDone(
+            "decode-0", 1, 2, 0xACCE55, 2**64 - 1, 42, 17, True, 98335.5)),  # type: ignore[arg-type]
+        ("access_done_ack", AccessDoneAck("prefill-0", 0, 5, 1, 0xACCE55, 42, 17, AccessOutcome.STALE)),
+        ("release", Release("decode-0", 0, 1, 0xACCE55, 5, (4, 5, 900))),
+        ("heartbeat_empty_ids", Heartbeat("d", 0, 1, 0, 0, 0, 0.0, ())),  # type: ignore[arg-type]
+        ("heartbeat_largest_ranks", Heartbeat("d", 65535, 65536, 2**64 - 1, 0, 1, -(2.0**32), (5,))),  # type: ignore[arg-type]
     ]
     cases: list[dict[str, Any]] = []
     for name, msg in valid_msgs:
@@ -656,42 +678,56 @@ def codec_cases() -> dict[str, Any]:
     def frame(*items: Any) -> bytes:
         return b"\xc1\x4b" + msgpack.packb(list(items), use_bin_type=True)
 
-    hb_ok = ["decode-0", 0, 1, 1, 1.0, [1, 2]]
+    # Heartbeat fields after [version, type]: engine_id, rank, ranks, session, incarnation, seq, t_send, ids
+    hb_ok = ["decode-0", 0, 1, 7, 1, 1, 1.0, [1, 2]]
+
+    def hb(**change: Any) -> bytes:
+        names = ["engine_id", "rank", "ranks", "session", "incarnation", "seq", "t_send", "ids"]
+        items = [change.get(n, v) for n, v in zip(names, hb_ok, strict=True)]
+        return frame(2, 3, *items)
+
     bad: list[tuple[str, str, bytes, list[str]]] = [
         ("empty", "native", b"", ["frame"]),
-        ("wrong_magic", "native", b"\xc1\x4c" + msgpack.packb([1, 3]), ["frame"]),
+        ("wrong_magic", "native", b"\xc1\x4c" + msgpack.packb([2, 3]), ["frame"]),
         ("vllm_bytes_to_native", "native", b"HB:req-1", ["frame"]),
         ("magic_only", "native", b"\xc1\x4b", ["body"]),
         ("truncated_body", "native", encode(valid_msgs[2][1])[:-3], ["body"]),
         ("trailing_bytes", "native", encode(valid_msgs[2][1]) + b"\x00", ["body"]),
         ("not_an_array", "native", b"\xc1\x4b" + msgpack.packb(7), ["body"]),
-        ("array_too_short", "native", frame(1), ["body"]),
-        ("map_body", "native", b"\xc1\x4b" + msgpack.packb({"v": 1}), ["body"]),
-        ("version_2", "native", frame(2, 3, *hb_ok), ["version"]),
+        ("array_too_short", "native", frame(2), ["body"]),
+        ("map_body", "native", b"\xc1\x4b" + msgpack.packb({"v": 2}), ["body"]),
+        ("version_1", "native", frame(1, 3, "decode-0", 0, 1, 1, 1.0, [1, 2]), ["version"]),
+        ("version_3", "native", frame(3, 3, *hb_ok), ["version"]),
         ("version_0", "native", frame(0, 3, *hb_ok), ["version"]),
         ("version_bool", "native", frame(True, 3, *hb_ok), ["version"]),
-        ("type_unknown", "native", frame(1, 99, *hb_ok), ["type"]),
-        ("type_zero", "native", frame(1, 0, *hb_ok), ["type"]),
-        ("arity_short", "native", frame(1, 3, *hb_ok[:-1]), ["arity"]),
-        ("arity_long", "native", frame(1, 3, *hb_ok, 0), ["arity"]),
-        ("engine_empty", "native", frame(1, 3, "", 0, 1, 1, 1.0, [1]), ["field"]),
-        ("engine_not_str", "native", frame(1, 3, 5, 0, 1, 1, 1.0, [1]), ["field"]),
-        ("engine_too_long", "native", frame(1, 3, "e" * 257, 0, 1, 1, 1.0, [1]), ["body", "field"]),
-        ("engine_binary", "native", frame(1, 3, b"decode-0", 0, 1, 1, 1.0, [1]), ["body", "field"]),
-        ("rank_negative", "native", frame(1, 3, "d", -1, 1, 1, 1.0, [1]), ["field"]),
-        ("rank_bool", "native", frame(1, 3, "d", True, 1, 1, 1.0, [1]), ["field"]),
-        ("rank_float", "native", frame(1, 3, "d", 0.0, 1, 1, 1.0, [1]), ["field"]),
-        ("time_nan", "native", frame(1, 3, "d", 0, 1, 1, float("nan"), [1]), ["field"]),
-        ("time_inf", "native", frame(1, 3, "d", 0, 1, 1, float("inf"), [1]), ["field"]),
-        ("time_string", "native", frame(1, 3, "d", 0, 1, 1, "1.0", [1]), ["field"]),
-        ("ids_zero_gap", "native", frame(1, 3, "d", 0, 1, 1, 1.0, [5, 0]), ["field"]),
-        ("ids_negative", "native", frame(1, 3, "d", 0, 1, 1, 1.0, [-5]), ["field"]),
-        ("ids_overflow_u64", "native", frame(1, 3, "d", 0, 1, 1, 1.0, [2**64 - 1, 1]), ["field"]),
-        ("ids_not_array", "native", frame(1, 3, "d", 0, 1, 1, 1.0, 5), ["field"]),
-        ("handshake_ranks_zero", "native", frame(1, 1, "d", 0, 0, 1, 7, 1.0), ["field"]),
-        ("access_done_expected_zero", "native", frame(1, 5, "d", 0, 1, 1, 0, False, 1.0), ["field"]),
-        ("access_done_confirm_int", "native", frame(1, 5, "d", 0, 1, 1, 1, 0, 1.0), ["field"]),
-        ("access_done_ack_outcome_3", "native", frame(1, 6, "p", 0, 1, 1, 3), ["field"]),
+        ("type_unknown", "native", frame(2, 99, *hb_ok), ["type"]),
+        ("type_zero", "native", frame(2, 0, *hb_ok), ["type"]),
+        ("arity_short", "native", frame(2, 3, *hb_ok[:-1]), ["arity"]),
+        ("arity_long", "native", frame(2, 3, *hb_ok, 0), ["arity"]),
+        ("engine_empty", "native", hb(engine_id=""), ["field"]),
+        ("engine_not_str", "native", hb(engine_id=5), ["field"]),
+        ("engine_too_long", "native", hb(engine_id="e" * 257), ["body", "field"]),
+        ("engine_binary", "native", hb(engine_id=b"decode-0"), ["body", "field"]),
+        ("rank_negative", "native", hb(rank=-1), ["field"]),
+        ("rank_bool", "native", hb(rank=True), ["field"]),
+        ("rank_float", "native", hb(rank=0.0), ["field"]),
+        ("ranks_zero", "native", hb(ranks=0), ["field"]),
+        ("ranks_too_many", "native", hb(ranks=65537), ["field"]),
+        ("session_negative", "native", hb(session=-1), ["field"]),
+        ("time_nan", "native", hb(t_send=float("nan")), ["field"]),
+        ("time_inf", "native", hb(t_send=float("inf")), ["field"]),
+        ("time_beyond_2_32", "native", hb(t_send=2.0**32 + 1.0), ["field"]),
+        ("time_string", "native", hb(t_send="1.0"), ["field"]),
+        ("ids_zero_gap", "native", hb(ids=[5, 0]), ["field"]),
+        ("ids_negative", "native", hb(ids=[-5]), ["field"]),
+        ("ids_overflow_u64", "native", hb(ids=[2**64 - 1, 1]), ["field"]),
+        ("ids_not_array", "native", hb(ids=5), ["field"]),
+        ("handshake_ranks_zero", "native", frame(2, 1, "d", 0, 0, 7, 2, 7, 1, 1.0), ["field"]),
+        ("handshake_reply_max_message_bytes_zero", "native",
+         frame(2, 2, "p", 0, 1, 5, 2, 7, 0, 0, 7, 1, 1.0, 2.0, 2.0), ["field"]),
+        ("access_done_confirm_int", "native", frame(2, 5, "d", 0, 1, 7, 5, 1, 1, 0, 1.0), ["field"]),
+        ("access_done_ack_outcome_3", "native", frame(2, 6, "p", 0, 5, 0, 7, 1, 1, 3), ["field"]),
+        ("release_ranks_zero", "native", frame(2, 7, "d", 0, 0, 7, 5, [1]), ["field"]),
         ("vllm_empty", "vllm", b"", ["frame"]),
         ("vllm_not_utf8", "vllm", b"HB:\xff\xfe", ["frame"]),
         ("vllm_no_colon", "vllm", b"req-1", ["frame"]),
