@@ -639,6 +639,320 @@ def rejections_and_misuse() -> Recorder:
     return r
 
 
+# -- API-level adversity (each hole of the v1 review is a vector) ---------------------------
+
+
+def forged(hex_: str, **changes: Any) -> str:
+    """The frame `hex_` with some fields replaced (what a faulty network or peer could carry)."""
+    from kvlease import decode
+
+    return encode(attrs.evolve(decode(bytes.fromhex(hex_)), **changes)).hex()
+
+
+def retrack() -> Recorder:
+    cfg = BASE.with_changes(tombstone_limit=2)
+    r = Recorder("retrack", "A lease is tracked at most once by one accessor. req-1 is untracked; "
+                 "its Release is held in the network while the engine re-tracks the same ticket: "
+                 "refused (LocalProtocolError), so no heartbeat can renew the lease under a second "
+                 "tracking that the late Release would then free. The same after a completed read "
+                 "(req-2). The accessor remembers tombstone_limit (here 2) given-up leases; an "
+                 "older ticket at or below the watermark is refused as LeaseLost 'forgotten'.",
+                 cfg, {"P": pinner("prefill-0", 0x5EED0101), "D": accessor("decode-0")},
+                 {"P": 7000.0, "D": 18000.5})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
+    t3 = r.at(0.0).step("P", "grant", key="req-3")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
+    r.at(0.0).step("D", "track", key="k2", ticket=t2)
+    connect(r, "D", "P", hs, 0.25)
+    heartbeat_round(r, "D", ["P"], 0.375)
+    held = only(r.at(1.0).step("D", "untrack", key="k1", note="the Release is held in the network"), "Send")
+    again = r.at(1.0).step("D", "track", key="k1-again", ticket=t1, note="re-track after untrack")
+    assert again["error"]["class"] == "LocalProtocolError"
+    assert only(r.at(1.5).deliver("P", held, "the held Release lands"), "Free")["reason"] == "released"
+    dec = r.at(1.5).step("D", "begin_access", key="k2")["result"]
+    assert dec["guaranteed"]
+    fin = r.at(1.75).step("D", "access_finished", key="k2")
+    done = outs(fin, "Send")[0]
+    assert outs(fin, "AccessCompleted")
+    again = r.at(2.0).step("D", "track", key="k2-again", ticket=t2, note="re-track after completion; "
+                           "the access-done is still in flight")
+    assert again["error"]["class"] == "LocalProtocolError"
+    assert only(r.at(2.25).deliver("P", done), "Free")["reason"] == "access_done"
+    # A third give-up pushes req-1 out of the accessor's memory (limit 2): its id falls under
+    # the watermark, and a ticket at or below it is refused as forgotten.
+    r.at(2.5).step("D", "track", key="k3", ticket=t3)
+    r.at(2.5).step("D", "untrack", key="k3")
+    lost = only(r.at(2.75).step("D", "track", key="k1-late", ticket=t1), "LeaseLost")
+    assert lost["reason"] == "forgotten"
+    return r
+
+
+def wrong_rank() -> Recorder:
+    r = Recorder("wrong_rank", "Pinner TP 2, accessor TP 2: accessor rank r accesses pinner rank r "
+                 "only, and heartbeats only it. Accessor rank 1's AccessDone delivered to pinner "
+                 "rank 0 (the right engine, the wrong rank) is Rejected and counts nothing; so is "
+                 "its heartbeat there, and a rank outside the sender's engine. When accessor rank 0 "
+                 "finishes and pinner rank 0 frees, accessor rank 1 keeps its lease (it never "
+                 "heartbeats rank 0, so it never hears 'completed' from it) and reads later.",
+                 BASE, {"P0": pinner("prefill-0", 0x5EED0102, 0, 2), "P1": pinner("prefill-0", 0x5EED0102, 1, 2),
+                        "D0": accessor("decode-0", 0, 2, 0xD0), "D1": accessor("decode-0", 1, 2, 0xD1)},
+                 {"P0": 3000.0, "P1": 3000.0, "D0": 90000.0, "D1": 90000.0})
+    t = r.at(0.0).step("P0", "grant", key="req-1")["result"]
+    r.at(0.0).step("P1", "grant", key="req-1")
+    hs0 = only(r.at(0.0).step("D0", "track", key="req-1", ticket=t), "HandshakeNeeded")
+    hs1 = only(r.at(0.0).step("D1", "track", key="req-1", ticket=t), "HandshakeNeeded")
+    connect(r, "D0", "P0", hs0, 0.125)
+    connect(r, "D1", "P0", hs1, 0.25, )
+    hb0 = r.at(0.375).step("D0", "handle_timeout")
+    hb1 = r.at(0.375).step("D1", "handle_timeout")
+    assert [s["rank"] for s in outs(hb0, "Send")] == [0] and [s["rank"] for s in outs(hb1, "Send")] == [1]
+    stray = only(r.at(0.5).deliver("P0", outs(hb1, "Send")[0], "rank 1's heartbeat misrouted to pinner rank 0"),
+                 "Rejected")
+    assert stray
+    a0 = only(r.at(0.5).deliver("P0", outs(hb0, "Send")[0]), "Send")
+    a1 = only(r.at(0.5).deliver("P1", outs(hb1, "Send")[0]), "Send")
+    r.at(0.625).deliver("D0", a0)
+    r.at(0.625).deliver("D1", a1)
+    assert r.at(0.625).step("D0", "begin_access", key="req-1")["result"]["guaranteed"]
+    fin0 = r.at(0.875).step("D0", "access_finished", key="req-1")
+    assert outs(fin0, "AccessCompleted")
+    hx = AccessDone("decode-0", 1, 2, 0xD1, 0x5EED0102, 1, 1, False, 90001.0)  # type: ignore[arg-type]
+    rej = r.at(1.0).step("P0", "receive", hex=encode(hx).hex(), note="accessor rank 1's access-done at pinner rank 0")
+    assert only(rej, "Rejected")
+    far = AccessDone("decode-0", 70000 % 65536, 2, 0xD1, 0x5EED0102, 1, 1, False, 90001.0)  # type: ignore[arg-type]
+    assert only(r.at(1.0).step("P0", "receive", hex=encode(far).hex(), note="a rank the sender's engine lacks"),
+                "Rejected")
+    assert only(r.at(1.125).deliver("P0", outs(fin0, "Send")[0]), "Free")["reason"] == "access_done"
+    acks = heartbeat_round(r, "D1", ["P0", "P1"], 1.375)
+    assert all(a["outputs"] == [] for a in acks), "rank 1 keeps its lease"
+    assert r.at(2.0).step("D1", "begin_access", key="req-1")["result"]["guaranteed"]
+    fin1 = r.at(2.25).step("D1", "access_finished", key="req-1")
+    assert outs(fin1, "AccessCompleted")
+    assert only(r.at(2.5).deliver("P1", outs(fin1, "Send")[0]), "Free")["reason"] == "access_done"
+    return r
+
+
+def handshake_binding() -> Recorder:
+    r = Recorder("handshake_binding", "A handshake reply counts only for the handshake it answers "
+                 "(the accessor's rank, session, seq and send time). While no reply comes the "
+                 "accessor handshakes again every interval. A reply produced for another accessor "
+                 "(here one whose clock is 10 s ahead) is Rejected and gives no clock sample; a "
+                 "duplicate of an accepted reply does nothing. After the pinner restarts, the reply "
+                 "of the new incarnation loses the old incarnation's leases, and a late duplicate "
+                 "of the old incarnation's reply cannot bring them back.",
+                 BASE, {"P": pinner("prefill-0", 0x1111), "P2": pinner("prefill-0", 0x2222),
+                        "A": accessor("decode-0", session=0xA), "B": accessor("decode-1", session=0xB)},
+                 {"P": 500.0, "P2": 500.0, "A": 40000.0, "B": 40010.0})
+    t1 = r.at(0.0).step("P", "grant", key="req-1", kind=1)["result"]
+    hs_a = only(r.at(0.0).step("A", "track", key="turn1", ticket=t1), "HandshakeNeeded")
+    assert r.at(0.5).step("A", "handle_timeout")["outputs"] == []
+    hs_a2 = only(r.at(1.0).step("A", "handle_timeout", note="no reply yet: handshake again every interval"),
+                 "HandshakeNeeded")
+    assert hs_a2["hex"] != hs_a["hex"]
+    t1b = r.at(1.0).step("P", "grant", key="req-b")["result"]
+    hs_b = only(r.at(1.0).step("B", "track", key="b", ticket=t1b), "HandshakeNeeded")
+    reply_b = r.at(1.1).step("P", "handshake", hex=hs_b["hex"])["result"]["hex"]
+    reply_a = r.at(1.1).step("P", "handshake", hex=hs_a["hex"])["result"]["hex"]
+    rej = r.at(1.2).step("A", "handshake_reply", hex=reply_b, note="B's reply delivered to A")
+    assert only(rej, "Rejected")
+    dec = r.at(1.2).step("A", "begin_access", key="turn1")["result"]
+    assert not dec["allowed"], "no connection, no clock sample from B's reply"
+    assert r.at(1.3).step("A", "handshake_reply", hex=reply_a, note="the reply to A's first handshake")[
+        "outputs"] == []
+    assert r.at(1.4).step("A", "handshake_reply", hex=reply_a, note="a duplicate")["outputs"] == []
+    dec = r.at(1.5).step("A", "begin_access", key="turn1")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    r.at(1.5).step("A", "access_failed", key="turn1", posted=False)
+    # P restarts as P2; A learns of a lease of the new incarnation.
+    t2 = r.at(2.0).step("P2", "grant", key="req-2")["result"]
+    hs3 = only(r.at(2.0).step("A", "track", key="new", ticket=t2), "HandshakeNeeded")
+    reply2 = r.at(2.1).step("P2", "handshake", hex=hs3["hex"])["result"]["hex"]
+    lost = only(r.at(2.2).step("A", "handshake_reply", hex=reply2), "LeaseLost")
+    assert lost["key"] == "turn1" and lost["reason"] == "pinner_restarted"
+    assert r.at(2.3).step("A", "handshake_reply", hex=reply_a, note="the old incarnation's reply, late")[
+        "outputs"] == []
+    acks = heartbeat_round(r, "A", ["P2"], 2.5)
+    assert all(a["outputs"] == [] for a in acks)
+    assert r.at(3.25).step("A", "begin_access", key="new")["result"]["guaranteed"]
+    return r
+
+
+def ack_binding() -> Recorder:
+    r = Recorder("ack_binding", "A heartbeat ack counts only for the heartbeat it answers: the "
+                 "accessor's rank and session, a seq that never repeats within a session (not even "
+                 "after disconnect), the echoed send time, and ids that account exactly for the "
+                 "heartbeat's. An ack from before a disconnect, an ack meant for a sibling rank (whose "
+                 "clock reads the same), and an ack whose lists contradict its heartbeat all confer "
+                 "nothing.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED0104, 0, 1),
+                        "D0": accessor("decode-0", 0, 2, 0xD0), "D1": accessor("decode-0", 1, 2, 0xD1)},
+                 {"P": 800.0, "D0": 60000.0, "D1": 60000.0})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs = only(r.at(0.0).step("D0", "track", key="k1", ticket=t1), "HandshakeNeeded")
+    connect(r, "D0", "P", hs, 0.25)
+    hb = outs(r.at(0.375).step("D0", "handle_timeout"), "Send")[0]
+    old_ack = only(r.at(0.5).deliver("P", hb), "Send")
+    lost = only(r.at(0.6).step("D0", "disconnect", engine_id="prefill-0"), "LeaseLost")
+    assert lost["reason"] == "unreachable"
+    t2 = r.at(0.7).step("P", "grant", key="req-2")["result"]
+    hs = only(r.at(0.7).step("D0", "track", key="k2", ticket=t2), "HandshakeNeeded")
+    connect(r, "D0", "P", hs, 0.8)
+    hb2 = outs(r.at(0.925).step("D0", "handle_timeout"), "Send")[0]
+    assert hb2["message"]["seq"] > hb["message"]["seq"], "seq continues across the disconnect"
+    ack2 = only(r.at(1.0).deliver("P", hb2), "Send")
+    assert r.at(1.0).deliver("D0", old_ack, "the ack from before the disconnect")["outputs"] == []
+    assert r.at(1.0).step("D0", "begin_access", key="k2")["result"]["guaranteed"] is False
+    r.at(1.0).step("D0", "access_failed", key="k2", posted=False)
+    # The sibling rank sends a heartbeat at the same clock reading; its ack reaches D0.
+    t3 = r.at(1.0).step("P", "grant", key="req-3")["result"]
+    hs1 = only(r.at(1.0).step("D1", "track", key="k3", ticket=t3), "HandshakeNeeded")
+    connect(r, "D1", "P", hs1, 1.0)
+    hb1 = outs(r.at(1.125).step("D1", "handle_timeout"), "Send")[0]
+    ack1 = only(r.at(1.25).deliver("P", hb1), "Send")
+    assert only(r.at(1.375).deliver("D0", ack1, "the sibling's ack"), "Rejected")
+    # D0's own round: the ack is tampered with to claim a renewal it does not account for.
+    bad = forged(ack2["hex"], renewed=0)
+    assert only(r.at(1.375).step("D0", "receive", hex=bad, note="renewed + listed != ids in the heartbeat"),
+                "Rejected")
+    assert r.at(1.4).deliver("D0", ack2)["outputs"] == []
+    dec = r.at(1.5).step("D0", "begin_access", key="k2")["result"]
+    assert dec["guaranteed"], "the genuine ack still counts"
+    return r
+
+
+def failed_transfer() -> Recorder:
+    r = Recorder("failed_transfer", "A transfer posted with its access-done attached fails at the "
+                 "transport, but the notification lands and the pinner frees. The accessor gives "
+                 "the lease up (LeaseLost 'access_failed', and a Release to the targets) instead of "
+                 "letting the engine retry a read of freed memory; the engine needs a fresh lease. "
+                 "An attempt nothing of which was posted may be retried (posted=false), and a "
+                 "verdict on an earlier attempt never completes a later one.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED0105), "D": accessor("decode-0")},
+                 {"P": 12.5, "D": 2400.0})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
+    r.at(0.0).step("D", "track", key="k2", ticket=t2)
+    connect(r, "D", "P", hs, 0.25)
+    heartbeat_round(r, "D", ["P"], 0.375)
+    dec = r.at(1.0).step("D", "begin_access", key="k1")["result"]
+    assert dec["guaranteed"] and dec["notification"]
+    freed = r.at(1.25).step("P", "receive", hex=dec["notification"], note="the attached notification lands")
+    assert only(freed, "Free")["reason"] == "access_done"
+    gone = r.at(1.5).step("D", "access_failed", key="k1", note="the transport reports the transfer failed")
+    assert [o["type"] for o in gone["outputs"]] == ["Send", "LeaseLost"]
+    assert outs(gone, "LeaseLost")[0]["reason"] == "access_failed"
+    assert not r.at(1.5).step("D", "begin_access", key="k1")["result"]["allowed"]
+    assert r.at(1.5).step("D", "track", key="k1", ticket=t1)["error"]["class"] == "LocalProtocolError"
+    assert r.at(1.75).deliver("P", outs(gone, "Send")[0], "the Release: the lease already ended")["outputs"] == []
+    # req-2: the acks stop, so the next access asks the pinner to confirm.
+    t = 2.375
+    while t < 4.0:
+        heartbeat_round(r, "D", ["P"], t, lose_back=True)
+        t += 1.0
+    first = r.at(4.5).step("D", "begin_access", key="k2")["result"]
+    assert first["allowed"] and not first["guaranteed"]
+    r.at(4.7).step("D", "access_failed", key="k2", posted=False, note="nothing of attempt 1 was posted")
+    from kvlease import decode
+
+    attempt1 = decode(bytes.fromhex(first["notification"]))
+    assert isinstance(attempt1, AccessDone)
+    verdict = {"hex": encode(AccessDoneAck(
+        "prefill-0", 0, 0x5EED0105, 0, 0xACCE55, attempt1.lease_id, attempt1.attempt, AccessOutcome.OK)).hex()}
+    second = r.at(4.8).step("D", "begin_access", key="k2")["result"]
+    assert second["allowed"] and second["notification"] != first["notification"]
+    assert r.at(4.9).deliver("D", verdict, "an OK verdict naming attempt 1 reaches attempt 2")["outputs"] == []
+    fin = r.at(5.0).step("D", "access_finished", key="k2", note="attempt 2 finished, not notified")
+    done = only(fin, "Send")
+    res = r.at(5.1).deliver("P", done)
+    assert [o["type"] for o in res["outputs"]] == ["Free", "Send"]
+    ok = only(r.at(5.2).deliver("D", outs(res, "Send")[0]), "AccessCompleted")
+    assert ok["confirmed_by_pinner"] is True
+    return r
+
+
+def expiry_edges() -> Recorder:
+    r = Recorder("expiry_edges", "A lease is expired at pinner time now >= expiry, before "
+                 "handle_timeout frees it: a heartbeat handled exactly at the expiry lists it "
+                 "'expired' (no renewal) and an access-done asking for confirmation is answered "
+                 "STALE. The ack's lists become LeaseLost: 'expired' for a waiting lease, 'unknown' "
+                 "for an id the pinner never granted; a lease lost during an access is reported "
+                 "AccessStale when the access finishes. An access-done for an id never granted is "
+                 "answered UNKNOWN.",
+                 BASE, {"P": pinner("prefill-0", 0x5EED0106), "D": accessor("decode-0")},
+                 {"P": 100.0, "D": 200.0})
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
+    ghost = {**t1, "lease_id": 50}
+    hs = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
+    r.at(0.0).step("D", "track", key="k2", ticket=t2)
+    r.at(0.0).step("D", "track", key="ghost", ticket=ghost, note="a ticket for an id the pinner never granted")
+    connect(r, "D", "P", hs, 0.25)
+    hb = outs(r.at(0.375).step("D", "handle_timeout"), "Send")[0]
+    # The heartbeat is delayed until exactly the grant's expiry (grant + 6 s).
+    ack = only(r.at(6.0).deliver("P", hb, "handled at now == expiry: expired, not renewed"), "Send")
+    assert ack["message"]["renewed"] == 0 and ack["message"]["expired"] == [1, 2]
+    assert ack["message"]["unknown"] == [50]
+    stale = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 2, 1, True, 206.0)  # type: ignore[arg-type]
+    res = r.at(6.0).step("P", "receive", hex=encode(stale).hex(), note="confirm-request at now == expiry")
+    assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.STALE)
+    frees = r.at(6.0).step("P", "handle_timeout")["outputs"]
+    assert sorted(f["key"] for f in frees) == ["req-1", "req-2"]
+    dec = r.at(6.0).step("D", "begin_access", key="k1")["result"]
+    assert dec["allowed"] and not dec["guaranteed"]
+    out = r.at(6.125).deliver("D", ack)
+    lost = outs(out, "LeaseLost")
+    assert sorted((x["key"], x["reason"]) for x in lost) == [("ghost", "unknown"), ("k1", "expired"), ("k2", "expired")]
+    fin = r.at(6.25).step("D", "access_finished", key="k1", note="lost during the access")
+    assert outs(fin, "AccessStale")
+    unknown = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 50, 1, True, 206.0)  # type: ignore[arg-type]
+    res = r.at(6.5).step("P", "receive", hex=encode(unknown).hex(), note="an id never granted")
+    assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.UNKNOWN)
+    return r
+
+
+def bounds() -> Recorder:
+    cfg = BASE.with_changes(tombstone_limit=2, max_outstanding_heartbeats=2)
+    r = Recorder("bounds", "Everything is bounded. The pinner remembers tombstone_limit (2) ended "
+                 "leases: a late heartbeat for an older one is answered 'unknown' instead of "
+                 "'completed'. The accessor remembers max_outstanding_heartbeats (2) unanswered "
+                 "rounds per engine: the ack of a forgotten round confers nothing. A grant may fix "
+                 "`expected`; an accessor layout that disagrees is Rejected.",
+                 cfg, {"P": pinner("prefill-0", 0x5EED0107), "D": accessor("decode-0")},
+                 {"P": 4321.0, "D": 1234.0})
+    tickets = [r.at(0.0).step("P", "grant", key=f"req-{i}")["result"] for i in range(1, 4)]
+    hs = only(r.at(0.0).step("D", "track", key="k1", ticket=tickets[0]), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.25)
+    heartbeat_round(r, "D", ["P"], 0.375)
+    dec = r.at(0.875).step("D", "begin_access", key="k1")["result"]
+    fin = r.at(0.9).step("D", "access_finished", key="k1")
+    only(r.at(1.0).deliver("P", outs(fin, "Send")[0]), "Free")
+    assert dec["guaranteed"]
+    for lid in (2, 3):
+        done = AccessDone("decode-9", 0, 1, 9, 0x5EED0107, lid, 1, False, 1.0)  # type: ignore[arg-type]
+        only(r.at(1.0).step("P", "receive", hex=encode(done).hex(), note="another accessor completes it"), "Free")
+    late = Heartbeat("decode-0", 0, 1, 0xACCE55, 0x5EED0107, 99, 1235.0, (1, 2, 3))  # type: ignore[arg-type]
+    ack = only(r.at(1.25).step("P", "receive", hex=encode(late).hex(), note="lease 1's tombstone was evicted"),
+               "Send")
+    assert ack["message"]["unknown"] == [1] and ack["message"]["completed"] == [2, 3]
+    t4 = r.at(1.5).step("P", "grant", key="req-4")["result"]
+    r.at(1.5).step("D", "track", key="k4", ticket=t4)
+    sends = []
+    for t in (1.5, 2.5, 3.5):
+        sends += outs(r.at(t).step("D", "handle_timeout"), "Send")
+    assert len(sends) == 3
+    first_ack = only(r.at(3.625).deliver("P", sends[0]), "Send")
+    assert r.at(3.75).deliver("D", first_ack, "its round was forgotten (bound 2)")["outputs"] == []
+    assert r.at(3.75).step("D", "begin_access", key="k4")["result"]["valid_until"] is None
+    r.at(3.75).step("D", "access_failed", key="k4", posted=False)
+    t5 = r.at(4.0).step("P", "grant", key="req-5", expected=2)["result"]
+    one = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0107, t5["lease_id"], 1, False, 1238.0)  # type: ignore[arg-type]
+    assert only(r.at(4.0).step("P", "receive", hex=encode(one).hex(), note="granted for 2 accessor ranks"),
+                "Rejected")
+    return r
+
+
 # -- codec vectors ----------------------------------------------------------------------------
 
 
@@ -764,6 +1078,7 @@ SCENARIOS = [
     happy_pull, overload_long_queue, accessor_crash_expiry, late_read, late_read_confirmed,
     push_mode, fixed_ttl_bidirectional, pinner_restart, hetero_tp_pinner_wider,
     hetero_tp_accessor_wider, release, heartbeat_batching, vllm_compat, rejections_and_misuse,
+    retrack, wrong_rank, handshake_binding, ack_binding, failed_transfer, expiry_edges, bounds,
 ]
 
 
