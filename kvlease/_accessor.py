@@ -354,11 +354,10 @@ class Accessor:
         t = self._tracked.get(key)
         if t is None:
             return ()
-        if t.state is TrackedState.ACCESSING:
+        if t.state is TrackedState.ACCESSING or t.state is TrackedState.LOST:
+            # LOST: lost while an access is in flight; the access is still the engine's to end.
             raise LocalProtocolError(f"request {key!r} has an access in flight: finish or fail it first")
         self._forget(t)
-        if t.state is TrackedState.LOST:
-            return ()
         return self._release(t)
 
     def begin_access(self, now: LocalTime, key: str) -> AccessDecision:

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from ._clock import LocalTime, PeerTime
+from ._clock import MAX_TIME, LocalTime, PeerTime
 from ._errors import RemoteProtocolError
 
 __all__ = [
@@ -228,7 +228,10 @@ class LeaseTicket:
         if ranks < 1:
             raise RemoteProtocolError(f"lease ticket ranks must be >= 1: {d!r}")
         if kind is LeaseKind.FIXED_TTL:
-            if not isinstance(deadline, int | float) or isinstance(deadline, bool):
-                raise RemoteProtocolError(f"fixed-TTL lease ticket needs a numeric deadline: {d!r}")
+            if (
+                not isinstance(deadline, int | float) or isinstance(deadline, bool)
+                or not -MAX_TIME <= deadline <= MAX_TIME
+            ):
+                raise RemoteProtocolError(f"fixed-TTL lease ticket needs a finite deadline within +-2**32 s: {d!r}")
             return cls(engine_id, incarnation, lease_id, kind, PeerTime(float(deadline)), ranks)
         return cls(engine_id, incarnation, lease_id, kind, None, ranks)

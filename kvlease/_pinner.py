@@ -108,12 +108,15 @@ class _Lease:
 class _Tombstone:
     """What a finished lease leaves behind to answer late messages precisely."""
 
-    __slots__ = ("accessor", "done", "reason")
+    __slots__ = ("accessor", "done", "reason", "sessions")
 
-    def __init__(self, reason: EndReason, accessor: str | None, done: frozenset[int] | None) -> None:
+    def __init__(
+        self, reason: EndReason, accessor: str | None, done: frozenset[int] | None, sessions: dict[int, int] | None
+    ) -> None:
         self.reason = reason
         self.accessor = accessor
         self.done = done  # the accessor ranks whose access-done or release was counted
+        self.sessions = sessions  # and their sessions
 
 
 @attrs.frozen
@@ -540,6 +543,7 @@ class Pinner:
             if (
                 tomb is not None and tomb.reason is EndReason.ACCESS_DONE and tomb.accessor == sender
                 and tomb.done is not None and rank in tomb.done
+                and tomb.sessions is not None and tomb.sessions.get(rank) == session
             ):
                 return AccessOutcome.OK  # a duplicate of this rank's access-done, counted while live
             self.counters.late_access_done += 1
@@ -650,7 +654,7 @@ class Pinner:
         if self._by_key is not None and self._by_key.get(lease.key) == lease.lease_id:
             del self._by_key[lease.key]
         if self.config.tombstone_limit:
-            self._tombstones[lease.lease_id] = _Tombstone(reason, lease.accessor, lease.done)
+            self._tombstones[lease.lease_id] = _Tombstone(reason, lease.accessor, lease.done, lease.sessions)
             if len(self._tombstones) > self.config.tombstone_limit:
                 self._tombstones.popitem(last=False)
         if reason is EndReason.EXPIRED:

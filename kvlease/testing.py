@@ -39,10 +39,14 @@ from ._events import (
     Rejected,
     Send,
 )
-from ._messages import Handshake, Heartbeat, LeaseKind, LeaseTicket, Message
+from ._layout import tp_layout
+from ._messages import AccessDone, Handshake, Heartbeat, LeaseKind, LeaseTicket, Message
 from ._pinner import LeaseState, Pinner
 
-__all__ = ["FakeLink", "InvariantViolation", "LeaseRecord", "LinkProfile", "Pair", "PeerClock"]
+__all__ = [
+    "FakeLink", "InvariantViolation", "LeaseRecord", "LinkProfile", "Mesh", "MeshAccess", "MeshMessage", "Pair",
+    "PeerClock",
+]
 
 #: How far past a deadline (in real seconds) the harness wakes an endpoint: the step
 #: granularity of a `Pair`. Far above float rounding at epochs of 2e5 s, far below any timing
@@ -549,3 +553,364 @@ class Pair:
                     raise InvariantViolation(
                         f"accessor next_deadline {and_nd} is later than when it must give {key!r} up ({give_up})"
                     )
+
+
+# -- Mesh: several ranks, several accessor engines, a network the caller drives ---------------
+
+
+@attrs.define
+class MeshMessage:
+    """One encoded message in flight. `deliver_at` None: held by the adversary until a test
+    delivers, misroutes or drops it."""
+
+    ident: int
+    to_pinner: bool  # True: to pinner rank `rank`; False: to accessor `engine` rank `rank`
+    engine: str
+    rank: int
+    data: bytes
+    sent_at: float
+    deliver_at: float | None
+
+
+@attrs.define
+class MeshAccess:
+    """One access attempt of one accessor rank, in real time."""
+
+    engine: str
+    rank: int
+    key: str
+    lease_id: int
+    begin: float
+    targets: tuple[int, ...]
+    notification: bytes
+    end: float | None = None
+
+
+class Mesh:
+    """One pinner engine of `pinner_ranks` workers and several accessor engines (name -> TP
+    size), joined by a network whose every message the caller can hold, drop, duplicate,
+    deliver to a sibling rank of the right engine, or replay later. The ranks of one engine
+    share one clock (one host): equal readings across ranks are the normal case.
+
+    The audit (raising `InvariantViolation`) runs in real time after every step: at most one
+    free per lease and pinner rank; no `AccessCompleted` for an access that overlapped a free
+    of any pinner rank it accessed; no accessor rank counts a lease valid past the instant a
+    pinner rank it accesses freed it (unless its own access-done freed it) or past that rank's
+    current expiry; `next_deadline` honest after `handle_timeout`. Handshakes travel through
+    the network too (a `Handshake` reaches pinner rank 0 through `Pinner.receive`), so their
+    replies can be duplicated, delayed, misrouted and replayed like everything else.
+    """
+
+    PINNER = "prefill-0"
+
+    def __init__(
+        self,
+        config: LeaseConfig,
+        rng: random.Random,
+        *,
+        pinner_ranks: int,
+        accessor_engines: dict[str, int],
+        pinner_clock: PeerClock,
+        accessor_clocks: dict[str, PeerClock],
+        delay: tuple[float, float] = (0.0, 0.0),
+        pinner_factory: Callable[..., Pinner] = Pinner,
+        accessor_factory: Callable[..., Accessor] = Accessor,
+        history: int = 64,
+    ) -> None:
+        self.config = config
+        self.rng = rng
+        self.real = 0.0
+        self.delay = delay
+        self.pinner_clock = pinner_clock
+        self.accessor_clocks = accessor_clocks
+        inc = rng.randrange(1, 1 << 64)
+        self.pinners = [
+            pinner_factory(config, self.PINNER, inc, rank=q, ranks=pinner_ranks) for q in range(pinner_ranks)
+        ]
+        self.accessors: dict[tuple[str, int], Accessor] = {}
+        for engine, ranks in accessor_engines.items():
+            for r in range(ranks):
+                session = rng.randrange(1 << 64)
+                self.accessors[engine, r] = accessor_factory(config, engine, session=session, rank=r, ranks=ranks)
+        self.flight: list[MeshMessage] = []
+        self.delivered: list[MeshMessage] = []  # the most recent, for replays
+        self._history = history
+        self._ident = 0
+        self._next_lease = 0
+        self.tickets: dict[str, LeaseTicket] = {}  # request key -> ticket
+        self.granted_at: dict[int, float] = {}
+        self.frees: dict[tuple[int, int], tuple[float, Free]] = {}  # (lease id, pinner rank)
+        # (lease id, pinner rank) -> accessor (engine, rank) whose access-done reached it
+        self.done_heard: dict[tuple[int, int], set[tuple[str, int]]] = {}
+        self.accesses: dict[tuple[str, int, str], MeshAccess] = {}  # open accesses
+        self.finished: dict[tuple[str, int, str], MeshAccess] = {}  # the last finished one
+        self.events: list[tuple[str, int, LeaseLost | AccessCompleted | AccessStale]] = []
+        self.rejected: list[Rejected] = []
+
+    # -- clocks -----------------------------------------------------------------------------
+
+    def now_p(self) -> LocalTime:
+        return self.pinner_clock.local(self.real)
+
+    def now_a(self, engine: str) -> LocalTime:
+        return self.accessor_clocks[engine].local(self.real)
+
+    # -- engine actions ---------------------------------------------------------------------
+
+    def grant(self, key: str, *, kind: LeaseKind = LeaseKind.RENEWABLE, ttl: float | None = None) -> LeaseTicket:
+        """Every pinner rank grants `key` under one id (as a scheduler fanning a grant out)."""
+        now = self.now_p()
+        self._next_lease += 1
+        lease_id = self._next_lease
+        ticket = self.pinners[0].grant(now, key, kind=kind, ttl=ttl, lease_id=lease_id)
+        for p in self.pinners[1:]:
+            # Same deadline for a fixed-TTL lease on every rank (spec: one clock per engine).
+            p.grant(now, key, kind=kind, ttl=ttl, lease_id=lease_id)
+        self.tickets[key] = LeaseTicket.from_dict(ticket.to_dict())
+        self.granted_at[lease_id] = self.real
+        return self.tickets[key]
+
+    def track(self, engine: str, key: str, ticket: LeaseTicket) -> None:
+        """Every rank of `engine` tracks `key` (misuse raises, as the core does)."""
+        for (e, r), acc in self.accessors.items():
+            if e == engine:
+                self._accessor_outputs(e, r, acc.track(self.now_a(e), key, ticket))
+
+    def untrack(self, engine: str, rank: int, key: str) -> None:
+        self._accessor_outputs(engine, rank, self.accessors[engine, rank].untrack(self.now_a(engine), key))
+
+    def begin_access(self, engine: str, rank: int, key: str) -> AccessDecision:
+        acc = self.accessors[engine, rank]
+        decision = acc.begin_access(self.now_a(engine), key)
+        if decision.allowed:
+            assert decision.notification is not None
+            lease_id = decision.notification.lease_id
+            self.accesses[engine, rank, key] = MeshAccess(
+                engine, rank, key, lease_id, self.real, decision.targets, encode(decision.notification)
+            )
+        return decision
+
+    def finish_access(self, engine: str, rank: int, key: str, *, notified: bool = True) -> None:
+        """The transfer landed; its attached access-done (if `notified`) goes to every target
+        rank, after the data, then the accessor hears the transfer finished."""
+        access = self.accesses.pop((engine, rank, key))
+        access.end = self.real
+        self.finished[engine, rank, key] = access
+        if notified:
+            for q in access.targets:
+                self._send(True, self.PINNER, q, access.notification)
+        acc = self.accessors[engine, rank]
+        self._accessor_outputs(engine, rank, acc.access_finished(self.now_a(engine), key, notified=notified))
+
+    def fail_access(self, engine: str, rank: int, key: str, *, posted: bool, landed: bool) -> None:
+        """The transport reports the transfer failed. `landed`: its attached notification
+        reached every target rank anyway (a cancel that raced the completion)."""
+        access = self.accesses.pop((engine, rank, key))
+        access.end = self.real
+        if landed:
+            for q in access.targets:
+                self._deliver(MeshMessage(-1, True, self.PINNER, q, access.notification, self.real, self.real))
+        acc = self.accessors[engine, rank]
+        self._accessor_outputs(engine, rank, acc.access_failed(self.now_a(engine), key, posted=posted))
+
+    def disconnect(self, engine: str, rank: int) -> None:
+        acc = self.accessors[engine, rank]
+        self._accessor_outputs(engine, rank, acc.disconnect(self.now_a(engine), self.PINNER))
+
+    def pinner_release(self, key: str) -> None:
+        lease_id = self.tickets[key].lease_id
+        for q, p in enumerate(self.pinners):
+            if p.info(lease_id) is not None:
+                self._pinner_outputs(q, p.release(self.now_p(), lease_id))
+
+    # -- the network ------------------------------------------------------------------------
+
+    def hold(self, i: int) -> None:
+        if self.flight:
+            self.flight[i % len(self.flight)].deliver_at = None
+
+    def drop(self, i: int) -> None:
+        if self.flight:
+            self.flight.pop(i % len(self.flight))
+
+    def duplicate(self, i: int) -> None:
+        if self.flight:
+            m = self.flight[i % len(self.flight)]
+            self._send(m.to_pinner, m.engine, m.rank, m.data)
+
+    def deliver_now(self, i: int, *, sibling: int | None = None) -> None:
+        """Deliver in-flight message `i` now; `sibling`: to that rank of the same engine instead."""
+        if not self.flight:
+            return
+        m = self.flight.pop(i % len(self.flight))
+        if sibling is not None:
+            ranks = len(self.pinners) if m.to_pinner else sum(1 for e, _ in self.accessors if e == m.engine)
+            m = attrs.evolve(m, rank=(m.rank + 1 + sibling % max(ranks - 1, 1)) % ranks)
+        self._deliver(m)
+        self.check()
+
+    def replay(self, i: int) -> None:
+        """Deliver again, now, a message delivered earlier (a stale duplicate)."""
+        if self.delivered:
+            self._deliver(self.delivered[i % len(self.delivered)])
+            self.check()
+
+    def _send(self, to_pinner: bool, engine: str, rank: int, data: bytes) -> None:
+        self._ident += 1
+        lo, hi = self.delay
+        self.flight.append(
+            MeshMessage(self._ident, to_pinner, engine, rank, data, self.real, self.real + self.rng.uniform(lo, hi))
+        )
+
+    def _deliver(self, m: MeshMessage) -> None:
+        self.delivered.append(m)
+        if len(self.delivered) > self._history:
+            del self.delivered[0]
+        msg = decode(m.data)
+        if m.to_pinner:
+            if m.engine != self.PINNER or not 0 <= m.rank < len(self.pinners):
+                return
+            if isinstance(msg, AccessDone):
+                self.done_heard.setdefault((msg.lease_id, m.rank), set()).add((msg.engine_id, msg.rank))
+            self._pinner_outputs(m.rank, self.pinners[m.rank].receive(self.now_p(), msg))
+        else:
+            acc = self.accessors.get((m.engine, m.rank))
+            if acc is not None:
+                self._accessor_outputs(m.engine, m.rank, acc.receive(self.now_a(m.engine), msg))
+
+    # -- time -------------------------------------------------------------------------------
+
+    def advance(self, dt: float) -> None:
+        """Move real time on by `dt`, waking every endpoint at its deadlines and delivering
+        every message whose time has come (held ones stay held)."""
+        target = self.real + dt
+        for _ in range(100_000):
+            t = self._next_event()
+            if t is None or t > target:
+                break
+            self._step(max(t, self.real))
+        else:
+            raise InvariantViolation("busy loop: a deadline never moved past now")
+        self._step(target)
+
+    def _next_event(self) -> float | None:
+        cands = [m.deliver_at for m in self.flight if m.deliver_at is not None]
+        for p in self.pinners:
+            nd = p.next_deadline()
+            if nd is not None:
+                cands.append(self.pinner_clock.real(nd) + STEP_EPSILON)
+        for (e, _), acc in self.accessors.items():
+            nd = acc.next_deadline()
+            if nd is not None:
+                cands.append(self.accessor_clocks[e].real(nd) + STEP_EPSILON)
+        return min(cands) if cands else None
+
+    def _step(self, real: float) -> None:
+        self.real = max(real, self.real)
+        due = [m for m in self.flight if m.deliver_at is not None and m.deliver_at <= self.real]
+        self.flight = [m for m in self.flight if m.deliver_at is None or m.deliver_at > self.real]
+        for m in sorted(due, key=lambda m: (m.deliver_at or 0.0, m.ident)):
+            self._deliver(m)
+        now_p = self.now_p()
+        for q, p in enumerate(self.pinners):
+            nd = p.next_deadline()
+            if nd is not None and nd <= now_p:
+                outputs = p.handle_timeout(now_p)
+                after = p.next_deadline()
+                if after is not None and after <= now_p:
+                    raise InvariantViolation(f"pinner rank {q} next_deadline {after} <= now {now_p}")
+                self._pinner_outputs(q, outputs)
+        for (e, r), acc in self.accessors.items():
+            now_a = self.now_a(e)
+            nd = acc.next_deadline()
+            if nd is not None and nd <= now_a:
+                a_out = acc.handle_timeout(now_a)
+                after = acc.next_deadline()
+                if after is not None and after <= now_a:
+                    raise InvariantViolation(f"accessor {e}.{r} next_deadline {after} <= now {now_a}")
+                self._accessor_outputs(e, r, a_out)
+        self.check()
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def _pinner_outputs(self, q: int, outputs: tuple[PinnerOutput, ...]) -> None:
+        for o in outputs:
+            match o:
+                case Send():
+                    self._send(False, o.engine_id, o.rank if o.rank is not None else 0, encode(o.message))
+                case Free():
+                    self._on_free(q, o)
+                case Rejected():
+                    self.rejected.append(o)
+                case _:
+                    assert_never(o)
+
+    def _accessor_outputs(self, engine: str, rank: int, outputs: tuple[AccessorOutput, ...]) -> None:
+        for o in outputs:
+            match o:
+                case Send():
+                    if o.rank is None:
+                        raise InvariantViolation(f"{engine}.{rank} sent to every rank: {o!r}")
+                    self._send(True, o.engine_id, o.rank, encode(o.message))
+                case HandshakeNeeded():
+                    self._send(True, o.engine_id, 0, encode(o.message))
+                case LeaseLost() | AccessCompleted() | AccessStale():
+                    self._on_event(engine, rank, o)
+                case Rejected():
+                    self.rejected.append(o)
+                case _:
+                    assert_never(o)
+
+    # -- audit ------------------------------------------------------------------------------
+
+    def _on_free(self, q: int, free: Free) -> None:
+        k = (free.lease_id, q)
+        if k in self.frees:
+            raise InvariantViolation(f"second Free of lease {free.lease_id} on pinner rank {q}: {free!r}")
+        self.frees[k] = (self.real, free)
+
+    def _on_event(self, engine: str, rank: int, ev: LeaseLost | AccessCompleted | AccessStale) -> None:
+        self.events.append((engine, rank, ev))
+        if not isinstance(ev, AccessCompleted):
+            return
+        access = self.finished.get((engine, rank, ev.key))
+        if access is None or access.end is None:
+            raise InvariantViolation(f"AccessCompleted for {engine}.{rank} {ev.key!r} with no finished access")
+        for q in access.targets:
+            freed = self.frees.get((access.lease_id, q))
+            if freed is not None and freed[0] < access.end - TIME_TOLERANCE:
+                raise InvariantViolation(
+                    f"stale read reported done: {engine}.{rank} read {ev.key!r} (lease {access.lease_id}) from "
+                    f"pinner rank {q} during [{access.begin}, {access.end}], but that rank freed it at real "
+                    f"{freed[0]} ({freed[1].reason.value})"
+                )
+
+    def check(self) -> None:
+        """Every accessor rank's validity window ends before any free (or expiry) of a pinner
+        rank it accesses, in real time."""
+        p_ranks = len(self.pinners)
+        for (e, r), acc in self.accessors.items():
+            clock = self.accessor_clocks[e]
+            for key, ticket in self.tickets.items():
+                v = acc.valid_until(key)
+                if v is None:
+                    continue
+                v_real = clock.real(v)
+                for q in tp_layout(p_ranks, acc.ranks, r).targets:
+                    limit: float | None = None
+                    freed = self.frees.get((ticket.lease_id, q))
+                    if freed is not None:
+                        own = freed[1].reason is EndReason.ACCESS_DONE and (e, r) in self.done_heard.get(
+                            (ticket.lease_id, q), set()
+                        )
+                        if not own:
+                            limit = freed[0]
+                    else:
+                        info = self.pinners[q].info(ticket.lease_id)
+                        if info is not None:
+                            limit = self.pinner_clock.real(info.expiry)
+                    if limit is not None and v_real > limit + TIME_TOLERANCE:
+                        raise InvariantViolation(
+                            f"{e}.{r} counts {key!r} (lease {ticket.lease_id}) valid until real {v_real}, "
+                            f"past pinner rank {q}'s {'free' if freed else 'expiry'} at {limit}"
+                        )

@@ -1,19 +1,27 @@
-"""The native codec: every message round-trips; `decode` raises only `DecodeError` whatever the
-bytes (random, or valid frames mutated field by field); `encode` refuses what the wire cannot
-carry with `EncodeError`; id lists split under any byte budget."""
+"""The native codec (protocol v2): every message round-trips over its whole domain; `encode`
+refuses exactly what `decode` refuses (field by field, with values on both sides of every
+bound); `decode` raises only `DecodeError` whatever the bytes (random, or valid frames mutated
+field by field); and heartbeat id lists split so that both the heartbeat and the worst ack
+answering it stay within `max_message_bytes`."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
+from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import msgpack
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvlease import (
+    MAX_RANKS,
+    MAX_TIME,
+    MIN_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AccessDone,
     AccessDoneAck,
@@ -33,30 +41,113 @@ from kvlease import (
     is_native_frame,
     split_ids,
 )
-from kvlease._codec import MAGIC, MAX_ENGINE_ID_BYTES, ids_encoded_size
-
-U64 = st.integers(0, 2**64 - 1)
-SMALL = st.integers(0, 2**16)
-TIMES = st.floats(allow_nan=False, allow_infinity=False, width=64)
-ENGINES = st.text(min_size=1, max_size=40).filter(lambda s: 0 < len(s.encode("utf-8", "surrogatepass")) <= 256).filter(
-    lambda s: not any(0xD800 <= ord(c) <= 0xDFFF for c in s)
+from kvlease._codec import (
+    MAGIC,
+    MAX_DECODE_BYTES,
+    MAX_ENGINE_ID_BYTES,
+    MAX_IDS,
+    MIN_ID_BUDGET,
+    heartbeat_id_budget,
+    ids_encoded_size,
 )
-IDS = st.lists(st.integers(0, 2**64 - 1), max_size=60, unique=True).map(lambda v: tuple(sorted(v)))
 
-MESSAGES: st.SearchStrategy[Message] = st.one_of(
-    st.builds(Handshake, ENGINES, SMALL, st.integers(1, 2**16), U64, U64, TIMES.map(LocalTime)),
-    st.builds(
-        HandshakeReply, ENGINES, SMALL, st.integers(1, 2**16), U64, U64, U64, st.integers(1, 2**32),
-        TIMES.map(PeerTime), TIMES.map(PeerTime), TIMES.map(PeerTime),
-    ),
-    st.builds(Heartbeat, ENGINES, SMALL, U64, U64, TIMES.map(LocalTime), IDS),
-    st.builds(
-        HeartbeatAck, ENGINES, SMALL, U64, U64, TIMES.map(PeerTime), TIMES.map(PeerTime), U64, IDS, IDS, IDS, IDS
-    ),
-    st.builds(AccessDone, ENGINES, SMALL, U64, U64, st.integers(1, 2**16), st.booleans(), TIMES.map(LocalTime)),
-    st.builds(AccessDoneAck, ENGINES, SMALL, U64, U64, st.sampled_from(AccessOutcome)),
-    st.builds(Release, ENGINES, SMALL, U64, IDS, st.integers(1, 2**16)),
+U64_MAX = 2**64 - 1
+T_MAX = 2**32  # MAX_TIME as an integer
+
+# -- the domain of every field, written independently of the codec's own table ---------------
+
+#: Wire type numbers, in the spec's order.
+TYPES: dict[type, int] = {
+    Handshake: 1, HandshakeReply: 2, Heartbeat: 3, HeartbeatAck: 4, AccessDone: 5, AccessDoneAck: 6, Release: 7,
+}
+ID_LISTS = {"lease_ids", "unknown", "expired", "released", "completed"}
+TIME_FIELDS = {"t_send", "t_echo", "t_recv"}
+
+
+def kind_of(name: str) -> str:
+    """The field kind, from the field's name (spec/PROTOCOL.md's message table)."""
+    if name == "engine_id":
+        return "engine"
+    if name == "ranks":
+        return "ranks"
+    if name == "max_message_bytes":
+        return "mmb"
+    if name in TIME_FIELDS:
+        return "time"
+    if name == "confirm":
+        return "bool"
+    if name in ID_LISTS:
+        return "ids"
+    if name == "outcome":
+        return "outcome"
+    return "uint"  # rank, session, incarnation, version, capabilities, seq, to_rank, ...
+
+
+def _utf8_len(s: str) -> int:
+    return len(s.encode("utf-8"))
+
+
+NO_SURROGATES = st.characters(blacklist_categories=("Cs",))
+ENGINES = st.one_of(
+    st.text(NO_SURROGATES, min_size=1, max_size=40),
+    st.text(NO_SURROGATES, min_size=1, max_size=256).filter(lambda s: _utf8_len(s) <= MAX_ENGINE_ID_BYTES),
+    st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=250, max_size=256),  # the byte bound
+    st.sampled_from(["e", "\u00e9" * 128, "\U0001f600" * 64]),  # 256 bytes of 2- and 4-byte characters
 )
+U64 = st.one_of(st.integers(0, U64_MAX), st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, 2**32, U64_MAX]))
+RANKS = st.one_of(st.integers(1, MAX_RANKS), st.sampled_from([1, MAX_RANKS]))
+MMB = st.one_of(st.integers(1, U64_MAX), st.sampled_from([1, MIN_MESSAGE_BYTES, U64_MAX]))
+TIMES = st.one_of(
+    st.floats(-MAX_TIME, MAX_TIME, allow_nan=False),
+    st.sampled_from([-MAX_TIME, MAX_TIME, 0.0, -0.0, 5e-324]),
+    st.integers(-T_MAX, T_MAX),  # another implementation may send a whole time as an int
+)
+IDS = st.one_of(
+    st.lists(st.integers(0, U64_MAX), max_size=60, unique=True),
+    st.lists(st.integers(0, 400), max_size=60, unique=True),
+    st.sampled_from([[0], [U64_MAX], [0, U64_MAX], [U64_MAX - 1, U64_MAX]]),
+).map(lambda v: tuple(sorted(v)))
+OUTCOMES = st.sampled_from(AccessOutcome)
+
+VALID: dict[str, st.SearchStrategy[Any]] = {
+    "engine": ENGINES, "uint": U64, "ranks": RANKS, "mmb": MMB, "time": TIMES, "bool": st.booleans(), "ids": IDS,
+    "outcome": OUTCOMES,
+}
+
+
+def _message(cls: type) -> st.SearchStrategy[Message]:
+    return st.builds(cls, **{f.name: VALID[kind_of(f.name)] for f in attrs.fields(cls)})
+
+
+MESSAGES: st.SearchStrategy[Message] = st.one_of(*(_message(cls) for cls in TYPES))
+
+
+def _deltas(ids: Sequence[Any]) -> list[Any]:
+    return [v if i == 0 else v - ids[i - 1] for i, v in enumerate(ids)]
+
+
+def _wire(name: str, v: Any) -> Any:
+    """What the spec says the field looks like inside the msgpack array."""
+    kind = kind_of(name)
+    if kind == "time" and isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    if kind == "ids" and isinstance(v, tuple):
+        return _deltas(v)
+    if kind == "outcome" and isinstance(v, AccessOutcome):
+        return int(v)
+    return v
+
+
+def _body(msg: Message) -> list[Any]:
+    """The spec's frame body: [version, type, every field in constructor order]."""
+    return [PROTOCOL_VERSION, TYPES[type(msg)], *(_wire(f.name, getattr(msg, f.name)) for f in attrs.fields(type(msg)))]
+
+
+def _frame(body: list[Any]) -> bytes:
+    return MAGIC + msgpack.packb(body, use_bin_type=True)
+
+
+# -- round trips --------------------------------------------------------------------------------
 
 
 @given(MESSAGES)
@@ -68,58 +159,158 @@ def test_every_message_round_trips(msg: Message) -> None:
     assert decode(memoryview(data)) == msg
 
 
+@given(MESSAGES)
+def test_the_frame_is_the_fields_in_constructor_order(msg: Message) -> None:
+    """Whatever path encodes it (the fast one or the table-driven one), the bytes are the
+    spec's array, and decoding the spec's array gives the message back."""
+    expected = _frame(_body(msg))
+    assert encode(msg) == expected
+    assert decode(expected) == msg
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Handshake("a", U64_MAX, MAX_RANKS, U64_MAX, U64_MAX, U64_MAX, U64_MAX, LocalTime(-MAX_TIME)),
+        HandshakeReply(
+            "p" * MAX_ENGINE_ID_BYTES, 0, 1, 0, 0, 0, 1, 0, 0, 0, PeerTime(MAX_TIME), PeerTime(-MAX_TIME),
+            PeerTime(0.0),
+        ),
+        HandshakeReply("p", 1, MAX_RANKS, 2, 3, 4, U64_MAX, 5, U64_MAX, 6, PeerTime(1.0), PeerTime(2.0), PeerTime(3.0)),
+        Heartbeat("d", 65535, MAX_RANKS, U64_MAX, U64_MAX, U64_MAX, LocalTime(MAX_TIME), (0, 1, U64_MAX)),
+        Heartbeat("d", 0, 1, 0, 0, 0, LocalTime(0.0), ()),
+        HeartbeatAck(
+            "p", U64_MAX, U64_MAX, U64_MAX, U64_MAX, U64_MAX, PeerTime(-MAX_TIME), PeerTime(MAX_TIME), U64_MAX,
+            (0,), (1,), (U64_MAX - 1,), (U64_MAX,),
+        ),
+        AccessDone("d", 0, MAX_RANKS, U64_MAX, 0, U64_MAX, U64_MAX, True, LocalTime(MAX_TIME)),
+        AccessDoneAck("p", 0, 0, 65535, U64_MAX, U64_MAX, 0, AccessOutcome.UNKNOWN),
+        Release("d", 3, 4, 5, 6, (U64_MAX,)),
+    ],
+)
+def test_boundary_values_round_trip(msg: Message) -> None:
+    assert decode(encode(msg)) == msg
+    assert encode(msg) == _frame(_body(msg))
+
+
 @given(IDS)
 def test_ids_encoded_size_is_exact(ids: tuple[int, ...]) -> None:
-    hb = Heartbeat("e", 0, 0, 0, LocalTime(0.0), ids)
-    empty = Heartbeat("e", 0, 0, 0, LocalTime(0.0), ())
+    hb = Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(0.0), ids)
+    empty = Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(0.0), ())
     assert len(encode(hb)) - len(encode(empty)) == ids_encoded_size(ids) - 1
 
 
-@given(IDS, st.integers(16, 600))
-def test_split_ids_respects_budget_and_keeps_every_id(ids: tuple[int, ...], budget: int) -> None:
-    chunks = split_ids(ids, budget)
-    assert tuple(i for c in chunks for i in c) == ids
-    assert all(c for c in chunks) or chunks == [()]
-    for c in chunks:
-        assert ids_encoded_size(c) <= budget
+# -- encode refuses exactly what decode refuses -------------------------------------------------
+
+#: Values just outside (and some just inside) each field's domain; both sides must agree.
+PROBES: dict[str, st.SearchStrategy[Any]] = {
+    "engine": st.one_of(
+        st.sampled_from(["", "x" * (MAX_ENGINE_ID_BYTES + 1), "\u00e9" * 129, "x" * MAX_ENGINE_ID_BYTES, None, 5]),
+        st.text(max_size=300),  # may hold lone surrogates or exceed 256 bytes
+        st.binary(max_size=4),
+    ),
+    "uint": st.one_of(
+        st.sampled_from([-1, 0, U64_MAX, U64_MAX + 1, -(2**63), True, False, 1.5, 0.0, None, "1"]),
+        st.integers(-(2**64), 2**65),
+    ),
+    "ranks": st.one_of(
+        st.sampled_from([0, 1, MAX_RANKS, MAX_RANKS + 1, -1, U64_MAX, True, 1.0, None]),
+        st.integers(-5, 70_000),
+    ),
+    "mmb": st.sampled_from([0, 1, -1, U64_MAX, U64_MAX + 1, True, 2.0, None]),
+    "time": st.one_of(
+        st.sampled_from([
+            math.nan, math.inf, -math.inf, MAX_TIME, -MAX_TIME, MAX_TIME + 1, -(MAX_TIME + 1),
+            math.nextafter(MAX_TIME, math.inf), T_MAX, T_MAX + 1, -T_MAX - 1, 2**63, 1e308, True, None, "1.0",
+        ]),
+        st.floats(),
+        st.integers(-(2**33), 2**33),
+    ),
+    "bool": st.sampled_from([True, False, 0, 1, None, "true"]),
+    "ids": st.one_of(
+        st.sampled_from([(3, 2), (1, 1), (-1,), (U64_MAX + 1,), (0, U64_MAX + 1), (True,), (1.5,), (0,), ()]),
+        st.lists(st.integers(-3, 2**64 + 3), max_size=6).map(tuple),
+    ),
+    # A plain int is not an AccessOutcome to `encode`, yet on the wire 0..2 are outcomes: not probed.
+    "outcome": st.sampled_from([*AccessOutcome, -1, 3, 2**63, True, None, "OK"]),
+}
 
 
-def test_split_ids_many_ids_fit_a_small_message() -> None:
-    ids = tuple(range(1, 10_001, 3)) + tuple(range(2**40, 2**40 + 7000 * 1_000_003, 1_000_003))
-    for max_bytes in (128, 256, 1024):
-        budget = max_bytes - 80
-        chunks = split_ids(ids, budget)
-        assert len(chunks) > 1
-        for c in chunks:
-            assert len(encode(Heartbeat("decode-0", 3, 2**63, 2**40, LocalTime(1e5), c))) <= max_bytes
+def _packable(v: Any) -> bool:
+    try:
+        msgpack.packb(v, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError, UnicodeEncodeError):
+        return False
+    return True
 
 
-def test_split_ids_rejects_tiny_budget_and_handles_empty() -> None:
-    with pytest.raises(EncodeError, match="too small"):
-        split_ids((1, 2), 15)
-    assert split_ids((), 16) == [()]
+@given(MESSAGES, st.data())
+def test_encode_accepts_exactly_what_decode_accepts(msg: Message, data: st.DataObject) -> None:
+    fields = attrs.fields(type(msg))
+    i = data.draw(st.integers(0, len(fields) - 1))
+    name = fields[i].name
+    value = data.draw(PROBES[kind_of(name)])
+    probe = attrs.evolve(msg, **{name: value})
+    try:
+        frame = encode(probe)
+    except EncodeError:
+        accepted = False
+    else:
+        accepted = True
+        assert decode(frame) == probe
+    body = _body(msg)
+    body[2 + i] = _wire(name, value)
+    if not _packable(body):
+        assert not accepted  # the wire cannot even carry it
+        return
+    try:
+        decoded = decode(_frame(body))
+    except DecodeError:
+        assert not accepted, f"encode accepted {name}={value!r} that decode refuses"
+    else:
+        assert accepted, f"encode refused {name}={value!r} that decode accepts as {decoded!r}"
 
-
-# -- encode refuses what the wire cannot carry ------------------------------------------------
 
 BAD_ENCODES: list[tuple[Message, str]] = [
-    (Heartbeat("", 0, 0, 0, LocalTime(0.0), ()), "engine_id"),
-    (Heartbeat("x" * (MAX_ENGINE_ID_BYTES + 1), 0, 0, 0, LocalTime(0.0), ()), "engine_id"),
-    (Heartbeat("\udcff", 0, 0, 0, LocalTime(0.0), ()), "UTF-8"),
-    (Heartbeat("e", -1, 0, 0, LocalTime(0.0), ()), "rank"),
-    (Heartbeat("e", 0, 2**64, 0, LocalTime(0.0), ()), "incarnation"),
-    (Heartbeat("e", 0, 0, True, LocalTime(0.0), ()), "seq"),  # type: ignore[arg-type]
-    (Heartbeat("e", 0, 0, 0, LocalTime(math.nan), ()), "t_send"),
-    (Heartbeat("e", 0, 0, 0, LocalTime(math.inf), ()), "t_send"),
-    (Heartbeat("e", 0, 0, 0, LocalTime(0.0), (3, 2)), "strictly increasing"),
-    (Heartbeat("e", 0, 0, 0, LocalTime(0.0), (1, 1)), "strictly increasing"),
-    (Heartbeat("e", 0, 0, 0, LocalTime(0.0), (-1,)), "uint64"),
-    (Release("e", 0, 0, (2**64,)), "uint64"),
-    (HeartbeatAck("e", 0, 0, 0, PeerTime(0.0), PeerTime(-math.inf), 0), "t_recv"),
-    (AccessDone("e", 0, 0, -5, 1, False, LocalTime(0.0)), "lease_id"),
-    (AccessDoneAck("e", 0, 0, 1.5, AccessOutcome.OK), "lease_id"),  # type: ignore[arg-type]
-    (Handshake("e", 0, 1, 1, -1, LocalTime(0.0)), "capabilities"),
-    (HandshakeReply("e", 0, 1, 0, 1, 0, -3, PeerTime(0.0), PeerTime(0.0), PeerTime(0.0)), "max_message_bytes"),
+    (Heartbeat("", 0, 1, 0, 0, 0, LocalTime(0.0), ()), "engine_id"),
+    (Heartbeat("x" * (MAX_ENGINE_ID_BYTES + 1), 0, 1, 0, 0, 0, LocalTime(0.0), ()), "engine_id"),
+    (Heartbeat("\udcff", 0, 1, 0, 0, 0, LocalTime(0.0), ()), "UTF-8"),
+    (Heartbeat("e", -1, 1, 0, 0, 0, LocalTime(0.0), ()), "rank"),
+    (Heartbeat("e", 0, 0, 0, 0, 0, LocalTime(0.0), ()), "ranks"),
+    (Heartbeat("e", 0, MAX_RANKS + 1, 0, 0, 0, LocalTime(0.0), ()), "ranks"),
+    (Heartbeat("e", 0, 1, 2**64, 0, 0, LocalTime(0.0), ()), "session"),
+    (Heartbeat("e", 0, 1, 0, 2**64, 0, LocalTime(0.0), ()), "incarnation"),
+    (Heartbeat("e", 0, 1, 0, 0, True, LocalTime(0.0), ()), "seq"),  # type: ignore[arg-type]
+    (Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(math.nan), ()), "t_send"),
+    (Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(math.inf), ()), "t_send"),
+    (Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(MAX_TIME + 1), ()), "t_send"),
+    (Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(-(MAX_TIME + 1)), ()), "t_send"),
+    (Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(0.0), (3, 2)), "strictly increasing"),
+    (Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(0.0), (1, 1)), "strictly increasing"),
+    (Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(0.0), (-1,)), "uint64"),
+    (Release("e", 0, 1, 0, 0, (2**64,)), "uint64"),
+    (Release("e", 0, 0, 0, 0, (1,)), "ranks"),
+    (HeartbeatAck("e", 0, 0, 0, 0, 0, PeerTime(0.0), PeerTime(-math.inf), 0), "t_recv"),
+    (HeartbeatAck("e", 0, 0, 0, 0, 0, PeerTime(2.0**33), PeerTime(0.0), 0), "t_echo"),
+    (HeartbeatAck("e", 0, 0, -1, 0, 0, PeerTime(0.0), PeerTime(0.0), 0), "to_rank"),
+    (HeartbeatAck("e", 0, 0, 0, 0, 0, PeerTime(0.0), PeerTime(0.0), 0, (2, 1)), "strictly increasing"),
+    (AccessDone("e", 0, 1, 0, 0, -5, 1, False, LocalTime(0.0)), "lease_id"),
+    (AccessDone("e", 0, 1, 0, 0, 5, -1, False, LocalTime(0.0)), "attempt"),
+    (AccessDone("e", 0, MAX_RANKS + 1, 0, 0, 5, 1, False, LocalTime(0.0)), "ranks"),
+    (AccessDone("e", 0, 1, 0, 0, 5, 1, 1, LocalTime(0.0)), "confirm"),  # type: ignore[arg-type]
+    (AccessDoneAck("e", 0, 0, 0, 0, 1.5, 1, AccessOutcome.OK), "lease_id"),  # type: ignore[arg-type]
+    (AccessDoneAck("e", 0, 0, 0, 2**64, 1, 1, AccessOutcome.OK), "to_session"),
+    (AccessDoneAck("e", 0, 0, 0, 0, 1, 1, 0), "outcome"),  # type: ignore[arg-type]
+    (Handshake("e", 0, 1, 1, 1, -1, 0, LocalTime(0.0)), "capabilities"),
+    (Handshake("e", 0, 0, 1, 1, 0, 0, LocalTime(0.0)), "ranks"),
+    (
+        HandshakeReply("e", 0, 1, 0, 1, 0, 0, 0, 0, 0, PeerTime(0.0), PeerTime(0.0), PeerTime(0.0)),
+        "max_message_bytes",
+    ),
+    (
+        HandshakeReply("e", 0, 1, 0, 1, 0, 1024, 0, 0, 0, PeerTime(0.0), PeerTime(0.0), PeerTime(math.nan)),
+        "t_send",
+    ),
 ]
 
 
@@ -132,6 +323,34 @@ def test_encode_refuses_unrepresentable_values(msg: Message, what: str) -> None:
 def test_encode_refuses_non_messages() -> None:
     with pytest.raises(EncodeError, match="not a kvlease message"):
         encode("hello")  # type: ignore[arg-type]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core bug: encode accepts id lists longer than MAX_IDS (2**17) and frames over MAX_DECODE_BYTES, "
+    "which decode refuses; the codec promises encode refuses exactly what decode refuses",
+)
+@pytest.mark.parametrize("shape", ["too-many-ids", "too-many-bytes"])
+def test_encode_refuses_what_decode_would_refuse_for_size(shape: str) -> None:
+    # One byte each: a small frame, but too many ids; or 9 bytes each: over 1 MiB.
+    ids = tuple(range(MAX_IDS + 1)) if shape == "too-many-ids" else tuple(i << 40 for i in range(1, MAX_IDS))
+    msg = Release("decode-0", 0, 1, 0, 0, ids)
+    try:
+        frame = encode(msg)
+    except EncodeError:
+        return
+    assert decode(frame) == msg  # if encode accepts it, decode must give it back
+
+
+def test_size_limits_of_decode_hold() -> None:
+    """What the xfail above relies on: decode does refuse those frames."""
+    with pytest.raises(DecodeError, match=r"max_array_len|malformed"):
+        decode(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * (MAX_IDS + 1)]))
+    big = _frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1 << 40] * (MAX_IDS - 1)])
+    assert len(big) > MAX_DECODE_BYTES
+    with pytest.raises(DecodeError, match="exceeds"):
+        decode(big)
+    assert decode(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * MAX_IDS])).lease_ids[-1] == MAX_IDS  # type: ignore[union-attr]
 
 
 # -- decode raises only DecodeError -------------------------------------------------------------
@@ -163,7 +382,7 @@ WEIRD = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(-(2**63), 2**64 - 1),
-    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308]),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308, MAX_TIME + 1, -MAX_TIME - 1]),
     st.floats(),
     st.text(max_size=5),
     st.binary(max_size=5),
@@ -219,7 +438,13 @@ def _str_raw(b: bytes) -> bytes:
     return bytes([0xA0 | len(b)]) + b
 
 
-HB_BODY_TAIL = b"\x00\x00\x00" + struct.pack(">Bd", 0xCB, 1.0) + b"\x90"
+# A heartbeat body after its engine id: rank 0, ranks 1, session 0, incarnation 0, seq 0,
+# t_send 1.0, no ids.
+HB_BODY_TAIL = b"\x00\x01\x00\x00\x00" + struct.pack(">Bd", 0xCB, 1.0) + b"\x90"
+
+
+def _hb_body(*, rank: Any = 0, ranks: Any = 1, t: Any = 1.0, ids: Any = (), engine: Any = "e") -> bytes:
+    return _frame([PROTOCOL_VERSION, 3, engine, rank, ranks, 0, 0, 0, t, list(ids) if isinstance(ids, tuple) else ids])
 
 
 @pytest.mark.parametrize(
@@ -227,22 +452,31 @@ HB_BODY_TAIL = b"\x00\x00\x00" + struct.pack(">Bd", 0xCB, 1.0) + b"\x90"
     [
         (b"\x00\x01", "not a kvlease frame"),
         (MAGIC + msgpack.packb([PROTOCOL_VERSION + 1, 3]), "version"),
+        (MAGIC + msgpack.packb([1, 3, "e", 0, 0, 0, 1.0, []]), "version"),  # a v1 heartbeat
         (MAGIC + msgpack.packb([True, 3]), "version"),
         (MAGIC + msgpack.packb([PROTOCOL_VERSION, 99]), "unknown message type"),
         (MAGIC + msgpack.packb({"a": 1}), "expected an array|malformed"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e"]), "expects 6 fields"),
-        (MAGIC + b"\x97\x01\x03" + _str_raw(b"\xff\xfe") + HB_BODY_TAIL, "malformed"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, math.nan, []]), "finite"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, math.inf, []]), "finite"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 1.0, [5, 0]]), "positive gap"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 1.0, [2**64 - 1, 1]]), "exceeds uint64"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 1.0, "x"]), "array of ids"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", -1, 0, 0, 1.0, []]), "rank"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "", 0, 0, 0, 1.0, []]), "engine_id"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 5, "e", 0, 0, 1, 0, True, 1.0]), "expected"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 5, "e", 0, 0, 1, 1, 1, 1.0]), "boolean"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 6, "e", 0, 0, 1, 9]), "outcome"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 1.0, [1] * ((1 << 17) + 1)]), "malformed"),
+        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e"]), "expects 8 fields"),
+        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 1.0, []]), "expects 8 fields"),  # v1 arity
+        (MAGIC + b"\x9a\x02\x03" + _str_raw(b"\xff\xfe") + HB_BODY_TAIL, "malformed"),
+        (_hb_body(t=math.nan), "finite"),
+        (_hb_body(t=math.inf), "finite"),
+        (_hb_body(t=MAX_TIME + 1), "finite"),
+        (_hb_body(t=-(2**33)), "finite"),
+        (_hb_body(ids=[5, 0]), "positive gap"),
+        (_hb_body(ids=[2**64 - 1, 1]), "exceeds uint64"),
+        (_hb_body(ids="x"), "array of ids"),
+        (_hb_body(rank=-1), "rank"),
+        (_hb_body(ranks=0), "ranks"),
+        (_hb_body(ranks=MAX_RANKS + 1), "ranks"),
+        (_hb_body(ranks=True), "ranks"),
+        (_hb_body(engine=""), "engine_id"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, True, 0, 0, 1, 1, True, 1.0]), "ranks"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 1, 1, 1, 1.0]), "boolean"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 1, -1, True, 1.0]), "attempt"),
+        (_frame([PROTOCOL_VERSION, 6, "e", 0, 0, 0, 0, 1, 1, 9]), "outcome"),
+        (_frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 2, 0, 0, 0, 0, 0, 1.0, 1.0, 1.0]), "max_message_bytes"),
+        (_frame([PROTOCOL_VERSION, 7, "e", 0, 1, 0, 0, [1] * ((1 << 17) + 1)]), "malformed"),
         (MAGIC + b"\x00" * (1 << 20), "exceeds"),
     ],
 )
@@ -258,17 +492,136 @@ def test_decode_rejects_non_bytes() -> None:
 
 def test_decode_accepts_integer_times() -> None:
     """Another implementation may send a whole-number time as an int; it means the same."""
-    msg = decode(MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 7, [1, 2]]))
-    assert msg == Heartbeat("e", 0, 0, 0, LocalTime(7.0), (1, 3))
+    msg = decode(_frame([PROTOCOL_VERSION, 3, "e", 0, 1, 9, 0, 0, 7, [1, 2]]))
+    assert msg == Heartbeat("e", 0, 1, 9, 0, 0, LocalTime(7.0), (1, 3))
+    assert isinstance(msg, Heartbeat) and type(msg.t_send) is float
+    assert decode(_frame([PROTOCOL_VERSION, 3, "e", 0, 1, 9, 0, 0, T_MAX, []])).t_send == MAX_TIME  # type: ignore[union-attr]
 
 
-def test_a_float_version_is_not_version_1() -> None:
-    """msgpack floats compare equal to ints; the version must be the integer 1."""
-    import msgpack
-
-    from kvlease import DecodeError, decode
-
-    body = msgpack.packb([1.0, 7, "decode-0", 0, 5, [1], 1])
+def test_a_float_version_is_not_the_version() -> None:
+    """msgpack floats compare equal to ints; the version must be the integer 2."""
+    body = [float(PROTOCOL_VERSION), 7, "decode-0", 0, 1, 5, 9, [1]]
     with pytest.raises(DecodeError, match="version"):
-        decode(b"\xc1\x4b" + body)
-    assert decode(b"\xc1\x4b" + msgpack.packb([1, 7, "decode-0", 0, 5, [1], 1])).lease_ids == (1,)  # type: ignore[union-attr]
+        decode(_frame(body))
+    msg = decode(_frame([PROTOCOL_VERSION, *body[1:]]))
+    assert msg == Release("decode-0", 0, 1, 5, 9, (1,))
+
+
+# -- heartbeat splitting ------------------------------------------------------------------------
+
+
+def _usize(v: int) -> int:
+    return 1 if v < 128 else 2 if v < 256 else 3 if v < 65536 else 5 if v < 2**32 else 9
+
+
+def _cost(chunk: Sequence[int]) -> int:
+    """The split rule of the spec: 5 + size(first) + sum(size(id - first)) over the others."""
+    return 5 + _usize(chunk[0]) + sum(_usize(v - chunk[0]) for v in chunk[1:])
+
+
+SORTED_IDS = st.lists(
+    st.one_of(st.integers(0, 300), st.integers(0, U64_MAX), st.integers(2**32 - 300, 2**32 + 300),
+              st.integers(U64_MAX - 300, U64_MAX)),
+    unique=True,
+    max_size=400,
+).map(lambda v: tuple(sorted(v)))
+
+
+@given(SORTED_IDS, st.integers(MIN_ID_BUDGET, 600))
+def test_split_ids_follows_the_rule_and_keeps_every_id(ids: tuple[int, ...], budget: int) -> None:
+    chunks = split_ids(ids, budget)
+    assert tuple(i for c in chunks for i in c) == ids
+    assert all(c for c in chunks) or chunks == [()]
+    for c in chunks:
+        if c:
+            assert ids_encoded_size(c) <= _cost(c) <= budget
+    for c, nxt in itertools.pairwise(chunks):
+        assert _cost((*c, nxt[0])) > budget  # greedy: the next id did not fit
+
+
+def test_split_ids_rejects_tiny_budget_and_handles_empty() -> None:
+    with pytest.raises(EncodeError, match="too small"):
+        split_ids((1, 2), MIN_ID_BUDGET - 1)
+    assert split_ids((), MIN_ID_BUDGET) == [()]
+    assert split_ids((U64_MAX,), MIN_ID_BUDGET) == [(U64_MAX,)]
+
+
+def test_heartbeat_id_budget_formula() -> None:
+    assert heartbeat_id_budget(1024, "d", "p") == 1024 - max(52 + 1, 114 + 1)
+    assert heartbeat_id_budget(1024, "d" * 100, "p") == 1024 - (52 + 100)
+    assert heartbeat_id_budget(1024, "d", "\u00e9" * 10) == 1024 - (114 + 20)  # bytes, not characters
+
+
+#: How an ack may spread a chunk's ids over its lists (renewed ids are only counted).
+ACK_SHAPES = ["round-robin", "all-renewed", "all-unknown", "all-expired", "all-released", "all-completed",
+              "alternate-unknown-renewed", "first-alone"]
+
+
+def _worst_heartbeat(acc: str, chunk: tuple[int, ...]) -> Heartbeat:
+    return Heartbeat(acc, MAX_RANKS - 1, MAX_RANKS, U64_MAX, U64_MAX, U64_MAX, LocalTime(-MAX_TIME), chunk)
+
+
+def _worst_ack(pin: str, chunk: tuple[int, ...], lists: list[list[int]]) -> HeartbeatAck:
+    listed = sum(len(v) for v in lists)
+    return HeartbeatAck(
+        pin, MAX_RANKS - 1, U64_MAX, MAX_RANKS - 1, U64_MAX, U64_MAX, PeerTime(MAX_TIME), PeerTime(-MAX_TIME),
+        len(chunk) - listed, *(tuple(v) for v in lists),
+    )
+
+
+def _spread(chunk: tuple[int, ...], shape: str | list[int]) -> list[list[int]]:
+    """The four lists (unknown, expired, released, completed) of an ack answering `chunk`."""
+    lists: list[list[int]] = [[], [], [], []]
+    for n, v in enumerate(chunk):
+        if isinstance(shape, list):
+            where = shape[n % len(shape)]  # 0..3: a list; 4: renewed
+        elif shape == "round-robin":
+            where = n % 4
+        elif shape == "all-renewed":
+            where = 4
+        elif shape.startswith("all-"):
+            where = ["unknown", "expired", "released", "completed"].index(shape[4:])
+        elif shape == "alternate-unknown-renewed":
+            where = 0 if n % 2 else 4
+        else:  # first-alone: the first id in one list, every other in another
+            where = 3 if n == 0 else 0
+        if where < 4:
+            lists[where].append(v)
+    return lists
+
+
+@given(
+    SORTED_IDS,
+    ENGINES,
+    ENGINES,
+    st.one_of(st.integers(MIN_MESSAGE_BYTES, 2048), st.sampled_from([MIN_MESSAGE_BYTES, 256, 1024])),
+    st.one_of(st.sampled_from(ACK_SHAPES), st.lists(st.integers(0, 4), min_size=1, max_size=9)),
+)
+@example(tuple(range(0, 4000, 3)), "d", "p", MIN_MESSAGE_BYTES, "round-robin")
+@example(tuple(range(1, 10_001, 3)) + tuple(range(2**40, 2**40 + 7000 * 1_000_003, 1_000_003)), "decode-0",
+         "prefill-0", 256, "round-robin")
+@example(tuple(i * 129 for i in range(1, 600)), "d", "p", MIN_MESSAGE_BYTES, "round-robin")  # 2-byte gaps -> 3
+@example(tuple(2**16 - 200 + i * 70 for i in range(400)), "d", "p", 300, "round-robin")
+def test_heartbeat_chunks_and_the_worst_ack_fit_max_message_bytes(
+    ids: tuple[int, ...], acc: str, pin: str, mmb: int, shape: str | list[int]
+) -> None:
+    budget = heartbeat_id_budget(mmb, acc, pin)
+    if budget < MIN_ID_BUDGET:
+        with pytest.raises(EncodeError):
+            split_ids(ids, budget)
+        return
+    for chunk in split_ids(ids, budget):
+        hb = encode(_worst_heartbeat(acc, chunk))
+        assert len(hb) <= mmb, (len(hb), mmb, chunk)
+        ack = encode(_worst_ack(pin, chunk, _spread(chunk, shape)))
+        assert len(ack) <= mmb, (len(ack), mmb, shape, chunk)
+
+
+def test_split_heartbeats_fill_the_message_reasonably() -> None:
+    """The bound is not bought by tiny chunks: dense ids fill most of the budget."""
+    ids = tuple(range(1, 100_001))
+    for mmb in (MIN_MESSAGE_BYTES, 256, 1024):
+        budget = heartbeat_id_budget(mmb, "decode-0", "prefill-0")
+        chunks = split_ids(ids, budget)
+        assert all(_cost(c) >= budget - 9 for c in chunks[:-1])
+        assert all(len(encode(_worst_heartbeat("decode-0", c))) <= mmb for c in chunks)

@@ -16,7 +16,7 @@ GOOD_SETUP: dict[str, Any] = {
     "config": {"kv_lease_duration": 6.0},
     "endpoints": {
         "P": {"role": "pinner", "engine_id": "prefill-0", "incarnation": 7},
-        "D": {"role": "accessor", "engine_id": "decode-0"},
+        "D": {"role": "accessor", "engine_id": "decode-0", "session": 7},
     },
 }
 
@@ -36,6 +36,10 @@ def _impl() -> CoreImplementation:
         {"cmd": "setup", "config": {}, "endpoints": {"X": {"role": "router", "engine_id": "x"}}},
         {"cmd": "setup", "config": {}, "endpoints": {"P": {"role": "pinner", "engine_id": 5, "incarnation": 1}}},
         {"cmd": "setup", "config": {}, "endpoints": {"P": {"role": "pinner", "engine_id": "p", "incarnation": "x"}}},
+        # v2: an accessor needs its session (a uint64 incarnation), given as an integer.
+        {"cmd": "setup", "config": {}, "endpoints": {"D": {"role": "accessor", "engine_id": "d"}}},
+        {"cmd": "setup", "config": {}, "endpoints": {"D": {"role": "accessor", "engine_id": "d", "session": "7"}}},
+        {"cmd": "setup", "config": {}, "endpoints": {"D": {"role": "accessor", "engine_id": "d", "session": True}}},
         {"cmd": "decode", "codec": "morse", "hex": "00"},
         {"cmd": "decode", "hex": 5},
         {"cmd": "decode", "hex": "zz"},
@@ -63,6 +67,13 @@ def test_protocol_errors_are_answered_as_errors_not_raised() -> None:
     assert resp["ok"] is True
     back = impl.call({"cmd": "step", "endpoint": "P", "now": 1.0, "op": "handle_timeout", "args": {}})
     assert back["ok"] is False and back["error"]["class"] == "LocalProtocolError"
+    # v2: times beyond 2**32 and sessions beyond uint64 are the caller's misuse, answered as such.
+    far = impl.call({"cmd": "step", "endpoint": "P", "now": 2.0**33, "op": "handle_timeout", "args": {}})
+    assert far["ok"] is False and far["error"]["class"] == "LocalProtocolError"
+    for session in (-1, 1 << 64):
+        bad = {"role": "accessor", "engine_id": "d", "session": session}
+        resp = impl.call({"cmd": "setup", "config": {}, "endpoints": {"D": bad}})
+        assert resp["ok"] is False and resp["error"]["class"] == "LocalProtocolError"
 
 
 def _trace(**over: Any) -> dict[str, Any]:
@@ -109,7 +120,7 @@ def test_runner_reports_malformed_vectors_and_broken_implementations() -> None:
     bad_expect = {"format": fmt, "kind": "codec", "name": "c", "cases": [{"hex": "c14b00", "expect": 3}]}
     assert run_vector(bad_expect, CoreImplementation()).mismatch is not None
     wants_error = {"format": fmt, "kind": "codec", "name": "c",
-                   "cases": [{"hex": "c14b9801030000", "expect": {"error": {"class": "EncodeError"}}}]}
+                   "cases": [{"hex": "c14b9802030000", "expect": {"error": {"class": "EncodeError"}}}]}
     assert run_vector(wants_error, CoreImplementation()).mismatch is not None
     wants_ok = {"format": fmt, "kind": "codec", "name": "c", "cases": [{"hex": "c14b00", "expect": {"message": {}}}]}
     assert run_vector(wants_ok, CoreImplementation()).mismatch is not None

@@ -11,6 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlease import (
+    MAX_TIME,
+    MIN_MESSAGE_BYTES,
+    MIN_VALIDITY_MARGIN,
+    Accessor,
     ClockOffsetEstimator,
     ClockSample,
     ConfigError,
@@ -19,8 +23,10 @@ from kvlease import (
     LocalProtocolError,
     LocalTime,
     PeerTime,
+    Pinner,
     RemoteProtocolError,
 )
+from kvlease._clock import check_time
 from kvlease.testing import PeerClock
 
 
@@ -156,8 +162,11 @@ BAD_FIELDS: list[tuple[str, object]] = [
     ("max_access_time", -0.1),
     ("max_access_time", math.inf),
     ("validity_margin", -0.01),
+    ("validity_margin", 0.0),  # v2: the safety lemma needs a margin > 0 ...
+    ("validity_margin", MIN_VALIDITY_MARGIN / 2),  # ... of at least 1 ms
     ("validity_margin", 30.0),  # leaves no validity window at a 30 s lease
     ("max_message_bytes", 127),
+    ("max_message_bytes", MIN_MESSAGE_BYTES - 1),  # v2: a heartbeat chunk and its ack must fit
     ("max_message_bytes", (1 << 20) + 1),
     ("max_message_bytes", 1024.0),
     ("tombstone_limit", -1),
@@ -181,6 +190,35 @@ def test_every_bad_value_raises_config_error_naming_the_field(field: str, value:
 def test_every_field_is_covered_by_a_bad_value() -> None:
     names = {a.name for a in attrs.fields(LeaseConfig)}
     assert names == {f for f, _ in BAD_FIELDS}
+
+
+def test_the_smallest_allowed_values_are_accepted() -> None:
+    c = LeaseConfig(validity_margin=MIN_VALIDITY_MARGIN, max_message_bytes=MIN_MESSAGE_BYTES)
+    assert (MIN_VALIDITY_MARGIN, MIN_MESSAGE_BYTES) == (1e-3, 192)
+    assert c.accessor_extension > 0
+
+
+def test_the_smallest_message_bound_fits_the_engine_ids_it_promises() -> None:
+    """At 192 bytes a pinner id of 62 bytes and an accessor id of 124 bytes still leave room for
+    a full-size lease id in a heartbeat and its ack; one byte more is a ConfigError naming the
+    setting (heartbeat_id_budget = mmb - max(52 + accessor id, 114 + pinner id) >= 16)."""
+    c = LeaseConfig(max_message_bytes=MIN_MESSAGE_BYTES)
+    Pinner(c, "p" * 62, 1)
+    Accessor(c, "a" * 124, session=1)
+    with pytest.raises(ConfigError, match="max_message_bytes"):
+        Pinner(c, "p" * 63, 1)
+    with pytest.raises(ConfigError, match="max_message_bytes"):
+        Accessor(c, "a" * 125, session=1)
+    with pytest.raises(ConfigError, match="max_message_bytes"):
+        Pinner(c, "\u00e9" * 32, 1)  # 64 bytes: the bound counts bytes, not characters
+
+
+def test_check_time_bounds() -> None:
+    for ok in (0.0, MAX_TIME, -MAX_TIME, 1e-300):
+        check_time(ok)
+    for bad in (math.nan, math.inf, -math.inf, MAX_TIME + 1, -(MAX_TIME + 1), math.nextafter(MAX_TIME, math.inf)):
+        with pytest.raises(LocalProtocolError, match="2\\*\\*32"):
+            check_time(bad)
 
 
 def test_config_is_frozen_and_with_changes_validates() -> None:

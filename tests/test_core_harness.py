@@ -18,7 +18,10 @@ from kvlease import (
     Free,
     Heartbeat,
     LeaseConfig,
+    LeaseLost,
+    LocalProtocolError,
     LocalTime,
+    LostReason,
     Pinner,
     PinnerOutput,
 )
@@ -28,7 +31,7 @@ CFG = LeaseConfig(kv_lease_duration=1.2, max_access_time=0.05, validity_margin=0
 
 
 def _hb(i: int, ids: tuple[int, ...] = (1,)) -> Heartbeat:
-    return Heartbeat("d", 0, 1, i, LocalTime(float(i)), ids)
+    return Heartbeat("d", 0, 1, 7, 1, i, LocalTime(float(i)), ids)
 
 
 def test_fake_link_drops_duplicates_reorders_and_decodes() -> None:
@@ -189,3 +192,24 @@ def test_audit_flags_a_free_naming_another_key_or_lease() -> None:
         pair._pinner_outputs((Free(99, "a", EndReason.EXPIRED, pair.now_p),))  # the audit's entry point
     with pytest.raises(InvariantViolation, match="names key"):
         pair._pinner_outputs((Free(1, "b", EndReason.RELEASED, pair.now_p),))
+
+
+def test_a_failed_posted_transfer_gives_the_lease_up_cleanly() -> None:
+    """v2: `Pair.fail_access` (a posted transfer failed) ends in LeaseLost(ACCESS_FAILED), the
+    accessor's Release frees the lease at the pinner, the audit stays quiet, and the lease can
+    never be tracked again by this accessor."""
+    pair = _pair()
+    ticket = pair.grant("a")
+    pair.track("a", ticket)
+    pair.advance(0.5)
+    assert pair.begin_access("a").allowed
+    pair.advance(0.01)
+    pair.fail_access("a")
+    assert [type(e).__name__ for e in pair.record("a").accessor_events] == ["LeaseLost"]
+    lost = pair.record("a").accessor_events[0]
+    assert isinstance(lost, LeaseLost) and lost.reason is LostReason.ACCESS_FAILED
+    pair.advance(0.1)
+    assert [f.reason for _, f in pair.record("a").frees] == [EndReason.RELEASED]
+    assert pair.rejected == []
+    with pytest.raises(LocalProtocolError, match="fresh lease"):
+        pair.track("a", ticket)

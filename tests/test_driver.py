@@ -94,7 +94,7 @@ def test_hostile_input_is_counted_logged_once_and_dropped(
         evil.setsockopt(zmq.IDENTITY, b"evil\x000")
         evil.setsockopt(zmq.LINGER, 0)
         evil.connect(p.transport.address)
-        forged_hb = encode(Heartbeat("evil", 0, 12345, 1, LocalTime(1.0), (1, 2, 3)))
+        forged_hb = encode(Heartbeat("evil", 0, 1, 99, 12345, 1, LocalTime(1.0), (1, 2, 3)))
         junk = [
             b"",
             b"\xc1\x4b",
@@ -132,7 +132,7 @@ def test_hostile_input_is_counted_logged_once_and_dropped(
 
 
 def test_refused_and_misrouted_messages_are_counted_not_raised(pinner_side: Driver) -> None:
-    from kvlease import AccessDoneAck, AccessOutcome, Handshake
+    from kvlease import PROTOCOL_VERSION, AccessDoneAck, AccessOutcome, Handshake, HandshakeReply, decode
 
     p = pinner_side
     raw = zmq.Context.instance().socket(zmq.DEALER)
@@ -141,14 +141,17 @@ def test_refused_and_misrouted_messages_are_counted_not_raised(pinner_side: Driv
     raw.connect(p.transport.address)
     try:
         # An accessor-bound message sent to a pinner-only engine: malformed here.
-        raw.send_multipart([b"M", encode(AccessDoneAck("X", 0, 1, 1, AccessOutcome.OK))])
+        raw.send_multipart([b"M", encode(AccessDoneAck("X", 0, 1, 0, 5, 1, 1, AccessOutcome.OK))])
         # A handshake in a protocol version we do not speak: the core refuses it.
-        raw.send_multipart([b"M", encode(Handshake("X", 0, 1, 99, 0, LocalTime(5.0)))])
+        raw.send_multipart([b"M", encode(Handshake("X", 0, 1, 5, 99, 0, 1, LocalTime(5.0)))])
         events = _pump([p], lambda: p.stats.rejected_messages >= 1 and p.stats.malformed_messages >= 1)
         assert any(isinstance(e, Rejected) and "version" in e.reason for e in events)
         assert raw.poll(2000)  # and the peer was told who we are and what we speak
-        kind, _reply = raw.recv_multipart()
+        kind, reply = raw.recv_multipart()
         assert kind == b"M"
+        answer = decode(reply)  # bound to the handshake it answers
+        assert isinstance(answer, HandshakeReply) and answer.version == PROTOCOL_VERSION
+        assert (answer.engine_id, answer.to_rank, answer.to_session, answer.seq, answer.t_echo) == ("P", 0, 5, 1, 5.0)
     finally:
         raw.close(0)
 

@@ -37,7 +37,7 @@ def _is_forbidden(name: str) -> bool:
 
 def test_core_module_list_is_complete() -> None:
     mods = _core_modules()
-    for expected in ("kvlease._pinner", "kvlease._accessor", "kvlease._codec", "kvlease.testing"):
+    for expected in ("kvlease._pinner", "kvlease._accessor", "kvlease._codec", "kvlease._layout", "kvlease.testing"):
         assert expected in mods
     assert not any(m.startswith("kvlease.cli") for m in mods)
 

@@ -14,14 +14,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlease import (
+    AccessDone,
+    AccessDoneAck,
+    AccessOutcome,
     DecodeError,
     EncodeError,
     EndReason,
     Free,
+    Heartbeat,
+    HeartbeatAck,
     LeaseConfig,
     LocalProtocolError,
     LocalTime,
     Pinner,
+    Rejected,
+    Send,
     VllmAccessDone,
     VllmHeartbeat,
     decode_vllm,
@@ -196,3 +203,67 @@ def test_pinner_compat_needs_the_flag() -> None:
         p.receive_vllm_heartbeat(LocalTime(1.0), ["a"])
     with pytest.raises(LocalProtocolError, match="vllm_compat"):
         p.receive_vllm_done(LocalTime(1.0), "a", 1)
+
+
+# -- v2: binding between stock vLLM peers and kvlease accessors --------------------------------
+
+SES = 0x5E55
+
+
+def _native_hb(lid: int, inc: int = 7) -> Heartbeat:
+    return Heartbeat("decode-0", 0, 1, SES, inc, 1, LocalTime(1.0), (lid,))
+
+
+def test_a_lease_renewed_by_a_kvlease_accessor_ignores_vllm_notifications() -> None:
+    p = Pinner(CFG, "prefill", 7)
+    t = LocalTime(1e4)
+    tk = p.grant(t, "req")
+    (send,) = p.receive(LocalTime(t + 0.5), _native_hb(tk.lease_id))
+    assert isinstance(send, Send) and isinstance(send.message, HeartbeatAck) and send.message.renewed == 1
+    before = p.info(tk.lease_id)
+    assert p.receive_vllm_heartbeat(LocalTime(t + 1.9), ["req"]) == 0  # not renewed for "vllm"
+    assert p.info(tk.lease_id) == before
+    (rej,) = p.receive_vllm_done(LocalTime(t + 2.0), "req", 1)
+    assert isinstance(rej, Rejected) and rej.engine_id == "vllm"
+    info = p.info(tk.lease_id)
+    assert info is not None and info.accesses_done == 0
+
+
+def test_a_lease_renewed_by_vllm_refuses_a_kvlease_accessor() -> None:
+    p = Pinner(CFG, "prefill", 7)
+    t = LocalTime(1e4)
+    tk = p.grant(t, "req")
+    assert p.receive_vllm_heartbeat(LocalTime(t + 0.5), ["req"]) == 1
+    rej, send = p.receive(LocalTime(t + 1.0), _native_hb(tk.lease_id))
+    assert isinstance(rej, Rejected) and isinstance(send, Send) and isinstance(send.message, HeartbeatAck)
+    assert send.message.renewed == 0 and send.message.unknown == (tk.lease_id,)
+    out = p.receive(LocalTime(t + 1.0), AccessDone("decode-0", 0, 1, SES, 7, tk.lease_id, 3, True, LocalTime(2.0)))
+    assert isinstance(out[0], Rejected)
+    assert out[1] == Send("decode-0", 0, AccessDoneAck("prefill", 0, 7, 0, SES, tk.lease_id, 3, AccessOutcome.STALE))
+    # The vLLM peer still completes it.
+    assert p.receive_vllm_done(LocalTime(t + 1.1), "req", 1) == (
+        Free(tk.lease_id, "req", EndReason.ACCESS_DONE, LocalTime(t + 1.1)),
+    )
+
+
+def test_vllm_notifications_at_expiry_are_late() -> None:
+    p = Pinner(CFG, "prefill", 7)
+    t = LocalTime(1e4)
+    tk = p.grant(t, "req")
+    at = LocalTime(t + CFG.kv_lease_duration)  # exactly the expiry, before handle_timeout
+    assert p.receive_vllm_heartbeat(at, ["req"]) == 0
+    assert p.receive_vllm_done(at, "req", 1) == ()
+    assert p.counters.late_access_done == 1
+    assert p.handle_timeout(at) == (Free(tk.lease_id, "req", EndReason.EXPIRED, at),)
+
+
+def test_vllm_done_with_a_disagreeing_count_is_rejected() -> None:
+    p = Pinner(CFG, "prefill", 7)
+    t = LocalTime(1e4)
+    tk = p.grant(t, "req", expected=2)
+    (rej,) = p.receive_vllm_done(LocalTime(t + 0.1), "req", 3)
+    assert isinstance(rej, Rejected) and "counts 3" in rej.reason
+    assert p.receive_vllm_done(LocalTime(t + 0.2), "req", 2) == ()
+    assert p.receive_vllm_done(LocalTime(t + 0.3), "req", 2) == (
+        Free(tk.lease_id, "req", EndReason.ACCESS_DONE, LocalTime(t + 0.3)),
+    )

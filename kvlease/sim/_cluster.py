@@ -23,11 +23,11 @@ from typing import Any
 
 import attrs
 
-from .._accessor import Accessor
+from .._accessor import Accessor, TrackedState
 from .._clock import LocalTime
 from .._codec import decode, encode
 from .._config import LeaseConfig
-from .._errors import DecodeError
+from .._errors import DecodeError, LocalProtocolError
 from .._events import (
     AccessCompleted,
     AccessStale,
@@ -39,8 +39,19 @@ from .._events import (
     Rejected,
     Send,
 )
-from .._messages import Handshake, HandshakeReply, Heartbeat, HeartbeatAck, LeaseTicket
-from .._pinner import Pinner
+from .._layout import tp_layout
+from .._messages import (
+    AccessDone,
+    AccessDoneAck,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatAck,
+    LeaseTicket,
+    Message,
+    Release,
+)
+from .._pinner import LeaseInfo, Pinner
 from .._vllm_compat import VllmAccessDone, VllmHeartbeat, decode_vllm, encode_vllm_done, encode_vllm_heartbeat
 from ._scenario import FaultKind, Policy, Scenario
 
@@ -97,6 +108,8 @@ class RunResult:
     timeline: list[tuple[float, float]] = attrs.field(factory=list)
     violations: list[Violation] = attrs.field(factory=list)
     trace: list[tuple[float, str, str, str]] | None = None
+    #: API-level adversity that happened (`Scenario.api`), by kind: e.g. ``retrack-refused``.
+    api: dict[str, int] = attrs.field(factory=dict)
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.reclaim_latencies)
@@ -130,20 +143,28 @@ class RunResult:
             "reclaim_max": None if not lat else round(lat[-1], 6),
             "reclaimed_after_crash": len(lat),
             "violations": [v.to_json() for v in self.violations],
+            **({"api": dict(sorted(self.api.items()))} if self.api else {}),
         }
 
 
 class _Clock:
-    """local = epoch + rate * real; rate within the scenario's drift bound."""
+    """local = epoch + rate * real; rate within the scenario's drift bound. All ranks of an
+    engine read the same clock object: their readings are equal at the same instant.
 
-    __slots__ = ("epoch", "rate")
+    `floor`: a reading handed to the core at an exact instant (an access ending exactly at
+    valid_until, a message handled exactly at a lease's expiry) may be a rounding step above
+    ``epoch + rate * t``; later readings never go below it, so time never runs backwards."""
+
+    __slots__ = ("epoch", "floor", "rate")
 
     def __init__(self, epoch: float, rate: float) -> None:
         self.epoch = epoch
         self.rate = rate
+        self.floor = -_INF
 
     def local(self, t: float) -> LocalTime:
-        return LocalTime(self.epoch + self.rate * t)
+        v = self.epoch + self.rate * t
+        return LocalTime(v if v >= self.floor else self.floor)
 
     def real(self, local: float) -> float:
         return (local - self.epoch) / self.rate
@@ -153,7 +174,7 @@ class _Lease:
     """The simulator's record of one granted lease (all pinner ranks share its id)."""
 
     __slots__ = (
-        "blocks", "d_crash", "d_name", "dead_since", "freed", "granted", "incarnation", "key", "last_hb",
+        "api", "blocks", "d_crash", "d_name", "dead_since", "freed", "granted", "incarnation", "key", "last_hb",
         "lease_id", "p", "push", "req", "troubled", "unfreed",
     )
 
@@ -173,6 +194,7 @@ class _Lease:
         self.freed: dict[int, tuple[float, str]] = {}
         self.unfreed = p.tp
         self.troubled = ""
+        self.api = False  # API-level adversity touched it: off the liveness claim's fault-free path
 
     @property
     def name(self) -> str:
@@ -181,8 +203,8 @@ class _Lease:
 
 class _Req:
     __slots__ = (
-        "arrival", "attempt", "blocks", "d", "done_ranks", "failed", "id", "key", "lease", "out_tokens",
-        "p", "prompt", "push", "ticket", "xfer_end", "xfer_start",
+        "arrival", "attempt", "blocks", "copy", "d", "done_ranks", "due", "exact", "failed", "id", "key", "lease",
+        "notes", "out_tokens", "p", "prompt", "push", "ticket", "xfer_end", "xfer_start",
     )
 
     def __init__(self, rid: int, arrival: float, prompt: int, out_tokens: int, blocks: int, push: bool) -> None:
@@ -202,6 +224,11 @@ class _Req:
         self.failed = False
         self.xfer_start = 0.0
         self.xfer_end = 0.0
+        self.due = 0.0  # when the engine's loop finishes the transfer (inf: an exact-end event does)
+        self.exact: float | None = None  # the accessor valid_until the transfer ends exactly at
+        # Attached notifications (rank, pinner ranks, access-done), delivered after the data landed.
+        self.notes: list[tuple[int, tuple[int, ...], AccessDone]] | None = None
+        self.copy = False  # API adversity: a second tracking of another request's ticket
 
 
 class _FixedPinner:
@@ -256,6 +283,7 @@ class _FixedPinner:
 class _Engine:
     __slots__ = (
         "alive",
+        "checked",
         "clock",
         "gen",
         "inbox",
@@ -273,6 +301,9 @@ class _Engine:
         self.alive = True
         self.gen = 0  # bumped on crash/restart: stale events and messages are dropped
         self.inbox: list[tuple[int, bytes]] = []
+        # API adversity: deliveries to a rank they were not addressed to, or stale ones, which
+        # must confer nothing (rank, frame, why); handled at the boundary like the inbox.
+        self.checked: list[tuple[int, bytes, str]] = []
         self.stepping = False
         self.step_end = 0.0
         self.wake_at = _INF
@@ -294,12 +325,14 @@ class _PEngine(_Engine):
 class _DEngine(_Engine):
     __slots__ = (
         "accessors",
+        "cut_seq",
         "finishing",
         "flush",
         "hb_due",
         "replies",
         "reqs",
         "running",
+        "sent_seq",
         "slots",
         "stall_until",
         "steps",
@@ -323,6 +356,10 @@ class _DEngine(_Engine):
         self.stall_until = 0.0  # the next forward pass lasts at least until then
         self.flush = False  # the stalled forward pass finishes the whole running batch
         self.hb_due = _INF  # vLLM-style heartbeats
+        # API adversity (disconnect): the highest seq each rank sent to each pinner engine, and
+        # at the last disconnect; an answer to a seq at or below the cut is stale.
+        self.sent_seq: dict[tuple[int, str], int] = {}
+        self.cut_seq: dict[tuple[int, str], int] = {}
 
 
 class Cluster:
@@ -406,6 +443,18 @@ class Cluster:
             self.d[dspec.name] = de
         self.engines: dict[str, _Engine] = {**self.p, **self.d}
         self.router_down: dict[str, bool] = dict.fromkeys(self.engines, False)
+        # API-level adversity (kvlease only): its own random stream, so a scenario without it
+        # draws exactly what it drew before the knob existed.
+        self.api = scenario.api if policy is Policy.KVLEASE else None
+        self.api_rng = random.Random(scenario.seed * 0x9E3779B1 + 0xA91)
+        api = self.api
+        self._misroute = api.misroute if api is not None else 0.0
+        self._at_expiry = api.at_expiry if api is not None else 0.0
+        self._track_seq = api is not None and api.disconnect > 0
+        #: (real time, decode engine, pinner engine) of each API fault that can cost a lease
+        #: its messages (misroute, held message): off the liveness claim's fault-free path.
+        self.api_marks: list[tuple[float, str, str]] = []
+        self._copies = itertools.count(1)
 
     # -- infrastructure -----------------------------------------------------------------------
 
@@ -461,6 +510,9 @@ class Cluster:
         wl = sc.workload
         for f in sc.faults:
             self._at(f.at, self._fault, f)
+        if self.api is not None and self.api.disconnect > 0:
+            for de in self.d.values():
+                self._at(self.api_rng.expovariate(self.api.disconnect), self._disconnect, de)
         self._at(0.0, self._arrival, None)
         if wl.sample_every > 0:
             self._at(0.0, self._sample, None)
@@ -623,6 +675,7 @@ class Cluster:
         eng.alive = True
         eng.gen += 1
         eng.inbox.clear()
+        eng.checked.clear()
         eng.stepping = False
         eng.wake_at = _INF
         if isinstance(eng, _PEngine):
@@ -668,11 +721,14 @@ class Cluster:
         de.transfers = []
         de.stall_until = 0.0
         de.hb_due = _INF
+        de.sent_seq = {}
+        de.cut_seq = {}
 
     def _crash_p(self, pe: _PEngine) -> None:
         pe.alive = False
         pe.gen += 1
         pe.inbox.clear()
+        pe.checked.clear()
         retry = self.sc.workload.client_retry
         lost = list(pe.queue) + ([pe.current] if pe.current else [])
         pe.queue.clear()
@@ -690,6 +746,7 @@ class Cluster:
         de.alive = False
         de.gen += 1
         de.inbox.clear()
+        de.checked.clear()
         retry = self.sc.workload.client_retry
         for req in list(de.reqs.values()):
             lease = req.lease
@@ -755,6 +812,117 @@ class Cluster:
         dst.inbox.append((rank, data))
         self._poke(dst, self.now)
 
+    # -- API-level adversity: the network side -----------------------------------------------------
+
+    def _count(self, what: str) -> None:
+        api = self.result.api
+        api[what] = api.get(what, 0) + 1
+
+    def _api_mark(self, d_name: str, p_name: str) -> None:
+        self.api_marks.append((self.now, d_name, p_name))
+
+    def _send_checked(self, src: _Engine, dst: _Engine, rank: int, data: bytes, why: str, heartbeat: bool) -> None:
+        """`_send` of one frame to `rank` of `dst` that must confer nothing there (`why`)."""
+        res = self.result
+        net = self.sc.network
+        rng = self.net_rng
+        res.messages += 1
+        res.protocol_bytes += len(data)
+        if heartbeat:
+            res.heartbeat_bytes += len(data)
+        if self._cut(src.name, dst.name) or (net.loss and rng.random() < net.loss):
+            res.dropped += 1
+            return
+        delay = net.base_delay + (min(rng.expovariate(1.0 / net.jitter), net.cap) if net.jitter > 0 else 0.0)
+        self._at(self.now + delay, self._deliver_checked, (dst, dst.gen, rank, data, src.name, why))
+
+    def _deliver_checked(self, arg: tuple[_Engine, int, int, bytes, str, str]) -> None:
+        dst, gen, rank, data, src, why = arg
+        if not dst.alive or dst.gen != gen or self._cut(src, dst.name):
+            self.result.dropped += 1
+            return
+        dst.checked.append((rank, data, why))
+        self._poke(dst, self.now)
+
+    def _api_send(self, de: _DEngine, rank: int, out: Send, msg: Message, hb: bool) -> bool:
+        """Adversity on a decode engine's message to a pinner: hold it until the pinner's
+        expiry of a lease it names, or deliver it to a sibling pinner rank. True if handled."""
+        pe = self.p.get(out.engine_id)
+        if pe is None or out.rank is None:
+            return False
+        rng = self.api_rng
+        if (
+            self._at_expiry and isinstance(msg, Heartbeat | AccessDone) and rng.random() < self._at_expiry
+            and self._hold_to_expiry(de, pe, out.rank, msg)
+        ):
+            return True
+        if self._misroute and pe.tp > 1 and rng.random() < self._misroute:
+            q = out.rank
+            targets = tp_layout(pe.tp, de.tp, rank).targets
+            others = [x for x in range(pe.tp) if x not in targets]
+            self._api_mark(de.name, pe.name)
+            if self._tracing:
+                self._trace(f"{de.name}.{rank}", "misroute", f"to {pe.name}.{q}: {msg!r}")
+            if others:
+                to = rng.choice(others)
+                self._count("misrouted-to-pinner")
+                why = f"{type(msg).__name__} of {de.name}.{rank} for rank {q} misrouted to rank {to}"
+                self._send_checked(de, pe, to, encode(msg), why, hb)
+            else:
+                # Every sibling is one this accessor rank addresses too: a delivery there is
+                # as good as addressed (and the addressed rank loses it).
+                self._count("misrouted-within-layout")
+                self._send(de, pe.name, rng.choice([x for x in range(pe.tp) if x != q]), encode(msg), hb)
+            return True
+        return False
+
+    def _hold_to_expiry(self, de: _DEngine, pe: _PEngine, prank: int, msg: Heartbeat | AccessDone) -> bool:
+        """Hold `msg` and have pinner rank `prank` handle it exactly at the expiry (its clock)
+        of a lease it names. False if there is no such future expiry."""
+        if not pe.alive or not pe.pinners or prank >= len(pe.pinners) or msg.incarnation != pe.incarnation:
+            return False
+        ids = msg.lease_ids if isinstance(msg, Heartbeat) else (msg.lease_id,)
+        if not ids:
+            return False
+        lid = ids[self.api_rng.randrange(len(ids))]
+        info = pe.pinners[prank].info(lid)
+        if info is None:
+            return False
+        e = float(info.expiry)
+        clock = pe.clock
+        tr = clock.real(e)
+        if tr <= self.now + self.sc.network.base_delay:
+            return False
+        while clock.epoch + clock.rate * tr > e:  # the real instant whose reading is at most e
+            tr = math.nextafter(tr, -_INF)
+        self._api_mark(de.name, pe.name)
+        self._count("held-to-expiry")
+        if self._tracing:
+            self._trace(f"{de.name}", "hold", f"to {pe.name}.{prank} until lease {lid} expiry {e!r}: {msg!r}")
+        self._at(tr, self._p_exact, (pe, pe.gen, prank, encode(msg), e, de.name))
+        return True
+
+    def _p_exact(self, arg: tuple[_PEngine, int, int, bytes, float, str]) -> None:
+        pe, gen, prank, data, e, src = arg
+        if not pe.alive or pe.gen != gen or not pe.pinners or self._cut(src, pe.name):
+            self.result.dropped += 1
+            return
+        clock = pe.clock
+        now = clock.local(self.now)
+        if now < e:
+            now = LocalTime(e)  # exactly at the expiry
+        clock.floor = now
+        msg = decode(data)
+        if isinstance(msg, Heartbeat) and self.check:
+            # A held heartbeat is one the network delivered late: for the reclaim bound it was
+            # sent no earlier than one network delay before it arrived.
+            for lid in msg.lease_ids:
+                lease = self.leases.get((pe.name, msg.incarnation, lid))
+                if lease is not None and lease.last_hb < self.now - self.sc.network.max_delay:
+                    lease.last_hb = self.now - self.sc.network.max_delay
+        self._p_receive(pe, now, prank, data)
+        self._poke(pe, self.now)
+
     def _poke(self, eng: _Engine, t: float) -> None:
         """Wake an idle engine at `t` (a stepping engine looks at its inbox at the boundary)."""
         if eng.stepping or t >= eng.wake_at:
@@ -815,11 +983,18 @@ class Cluster:
         # `_Clock.local` inlined (this runs once per forward pass); LocalTime is a NewType,
         # the same float either way.
         now: LocalTime = clock.epoch + clock.rate * self.now  # type: ignore[assignment]
+        if now < clock.floor:
+            now = LocalTime(clock.floor)
         if pe.inbox:
             inbox = pe.inbox
             pe.inbox = []
             for rank, data in inbox:
                 self._p_receive(pe, now, rank, data)
+        if pe.checked:
+            checked = pe.checked
+            pe.checked = []
+            for rank, data, why in checked:
+                self._p_receive(pe, now, rank, data, why)
         pinners = pe.pinners
         if pinners:
             recorded = self.recorded
@@ -852,7 +1027,9 @@ class Cluster:
         if nd < _INF:
             self._poke(pe, max(self.now, pe.clock.real(nd)))
 
-    def _p_receive(self, pe: _PEngine, now: LocalTime, rank: int, data: bytes) -> None:
+    def _p_receive(self, pe: _PEngine, now: LocalTime, rank: int, data: bytes, why: str = "") -> None:
+        """Hand one frame to pinner rank `rank`. `why`: it was misdelivered there (API
+        adversity), so the pinner must refuse it."""
         if self._native and pe.pinners:
             try:
                 msg = decode(data)
@@ -860,10 +1037,22 @@ class Cluster:
                 self._violate("codec", f"{pe.name} could not decode: {exc}")
                 return
             if self._tracing:
-                self._trace(f"{pe.name}.{rank}", "recv", repr(msg))
+                self._trace(f"{pe.name}.{rank}", "recv", repr(msg) if not why else f"{why}: {msg!r}")
+            pinner = pe.pinners[rank]
             if self.recorded is not None:
-                self._rec(pe.pinners[rank], now, "receive", {"hex": data.hex()})
-            for out in pe.pinners[rank].receive(now, msg):
+                self._rec(pinner, now, "receive", {"hex": data.hex()})
+            watch = self._overdue(pinner, now, msg) if self.check else None
+            outs = pinner.receive(now, msg)
+            if watch:
+                self._check_overdue(pe, rank, pinner, now, msg, watch, outs)
+            if why and self.check:
+                acted = [out for out in outs if not isinstance(out, Rejected)]
+                if acted:
+                    self._violate(
+                        "misdelivery-refused", f"{pe.name}.{rank} acted on a {why}: {acted!r}",
+                        self._msg_lease(pe.name, msg),
+                    )
+            for out in outs:
                 self._p_output(pe, rank, out)
             return
         try:
@@ -882,6 +1071,60 @@ class Cluster:
                 free = pe.fixed[rank].done(now, note.request_id, note.count)
                 if free is not None:
                     self._p_output(pe, rank, free)
+
+    def _msg_lease(self, p_name: str, msg: Message) -> _Lease | None:
+        """The simulator's lease a message names (its first id), for a violation report."""
+        inc = getattr(msg, "incarnation", None)
+        if isinstance(msg, Heartbeat | Release):
+            lid = msg.lease_ids[0] if msg.lease_ids else None
+        elif isinstance(msg, AccessDone | AccessDoneAck):
+            lid = msg.lease_id
+        else:
+            lid = None
+        if inc is None or lid is None:
+            return None
+        return self.leases.get((p_name, inc, lid))
+
+    @staticmethod
+    def _overdue(pinner: Pinner, now: LocalTime, msg: Message) -> list[tuple[int, LeaseInfo]] | None:
+        """The leases `msg` names that are live at the pinner but expired (expiry <= now)."""
+        nd = pinner.next_deadline()
+        if nd is None or nd > now:
+            return None  # no lease is overdue: the common case
+        if isinstance(msg, Heartbeat | Release):
+            ids: tuple[int, ...] = msg.lease_ids
+        elif isinstance(msg, AccessDone):
+            ids = (msg.lease_id,)
+        else:
+            return None
+        if msg.incarnation != pinner.incarnation:
+            return None
+        watch = []
+        for lid in ids:
+            info = pinner.info(lid)
+            if info is not None and info.expiry <= now:
+                watch.append((lid, info))
+        return watch or None
+
+    def _check_overdue(
+        self, pe: _PEngine, rank: int, pinner: Pinner, now: LocalTime, msg: Message,
+        watch: list[tuple[int, LeaseInfo]], outs: Sequence[object],
+    ) -> None:
+        """A lease is expired at pinner time now >= expiry even before handle_timeout frees it:
+        no message may renew it, count an access-done or a release for it, or free it."""
+        for lid, before in watch:
+            after = pinner.info(lid)
+            freed = any(isinstance(out, Free) and out.lease_id == lid for out in outs)
+            if freed or (after is not None and (
+                after.expiry != before.expiry or after.accesses_done != before.accesses_done
+                or after.state is not before.state
+            )):
+                self._violate(
+                    "overdue-lease-not-renewed",
+                    f"{pe.name}.{rank} at {float(now)!r} acted on lease {lid} (expiry {float(before.expiry)!r}) "
+                    f"for a {type(msg).__name__}: {before} -> {after}{' and freed it' if freed else ''}",
+                    self.leases.get((pe.name, pinner.incarnation, lid)),
+                )
 
     def _prefilled(self, pe: _PEngine, req: _Req) -> None:
         """Prefill finished: pin the blocks under a lease on every rank, send the ticket."""
@@ -920,6 +1163,18 @@ class Cluster:
             heartbeat = isinstance(out.message, HeartbeatAck)
             if self._tracing:
                 self._trace(f"{pe.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {out.message!r}")
+            if self._misroute:
+                de = self.d.get(out.engine_id)
+                if de is not None and de.tp > 1 and out.rank is not None and self.api_rng.random() < self._misroute:
+                    # Delivered to a sibling accessor rank (whose clock reads the same).
+                    to = self.api_rng.choice([r for r in range(de.tp) if r != out.rank])
+                    self._api_mark(de.name, pe.name)
+                    self._count("misrouted-to-accessor")
+                    why = f"{type(out.message).__name__} of {pe.name}.{rank} for rank {out.rank} misrouted to rank {to}"
+                    if self._tracing:
+                        self._trace(f"{pe.name}.{rank}", "misroute", why)
+                    self._send_checked(pe, de, to, encode(out.message), why, heartbeat)
+                    return
             self._send(pe, out.engine_id, out.rank, encode(out.message), heartbeat)
         elif isinstance(out, Free):
             lease = pe.live.get(out.lease_id)
@@ -1162,19 +1417,27 @@ class Cluster:
                 for out in acc.untrack(now, req.key):
                     self._d_output(de, r, out)
             return
+        # Every rank's transfer ends here: tell each rank's accessor before acting on what any
+        # of them says (one rank's loss must not untrack a sibling whose access is in flight).
         if not ok:
-            for r, acc in enumerate(de.accessors):
+            failed = []
+            for acc in de.accessors:
                 if self.recorded is not None:
                     self._rec(acc, now, "access_failed", {"key": req.key})
-                for out in acc.access_failed(now, req.key):
+                failed.append(acc.access_failed(now, req.key))
+            for r, outs in enumerate(failed):
+                for out in outs:
                     self._d_output(de, r, out)
             self._fail(de, req, "transfer failed")
             return
         if de.accessors:
-            for r, acc in enumerate(de.accessors):
+            finished = []
+            for acc in de.accessors:
                 if self.recorded is not None:
                     self._rec(acc, now, "access_finished", {"key": req.key})
-                for out in acc.access_finished(now, req.key):
+                finished.append(acc.access_finished(now, req.key))
+            for r, outs in enumerate(finished):
+                for out in outs:
                     self._d_output(de, r, out)
             return
         # Baselines: tell the pinner ranks; the data is whatever the blocks hold now.

@@ -14,9 +14,10 @@ from typing import Any
 
 import attrs
 
-from .._config import LeaseConfig
+from .._config import MIN_VALIDITY_MARGIN, LeaseConfig
 
 __all__ = [
+    "ApiSpec",
     "EngineSpec",
     "Fault",
     "FaultKind",
@@ -78,6 +79,46 @@ class Fault:
         if self.peer:
             d["peer"] = self.peer
         return d
+
+
+@attrs.frozen
+class ApiSpec:
+    """API-level adversity: what an engine and its transport may do through the core's API at
+    the worst moment (the network faults are `NetworkSpec` and `Fault`). Each knob is a
+    probability per occasion (per request, transfer or message) unless it says otherwise; all
+    zero does nothing. Drawn per seed by `campaign_scenario` (None: no API adversity)."""
+
+    #: After a read is reported done, after a disconnect or a posted failed transfer lost the
+    #: lease: the engine tracks the same ticket again under a new key (a fresh lease is needed;
+    #: the core must refuse, and the engine recomputes).
+    retrack: float = 0.0
+    #: A waiting request is aborted (untrack: its Release goes out) and the engine re-tracks the
+    #: same ticket at once under a new key, while the Release is in flight.
+    abort: float = 0.0
+    #: The router hands the same ticket to a second request (a retry), on another decode engine
+    #: or the same one, while the first still holds it.
+    redispatch: float = 0.0
+    #: The access-done travels attached to the transfer (AccessDecision.notification, NIXL's
+    #: notification), delivered after the data landed; access_finished(notified=True).
+    notify: float = 0.0
+    #: An attached transfer fails at the transport after its notification was delivered:
+    #: access_failed(posted=True); the engine retries only if the core lets it.
+    fail_posted: float = 0.0
+    #: A transfer fails before anything of it was posted: access_failed(posted=False), retried.
+    fail_unposted: float = 0.0
+    #: A message addressed to one rank is delivered to a sibling rank of the same engine.
+    misroute: float = 0.0
+    #: A handshake reply is delivered again later (a duplicate, or stale after a restart), to
+    #: its rank or a sibling's.
+    dup_reply: float = 0.0
+    #: Disconnects (Accessor.disconnect from one pinner engine) per second per decode engine;
+    #: later tracks on that engine reconnect.
+    disconnect: float = 0.0
+    #: A pull transfer is scheduled to end exactly at the accessor's valid_until.
+    exact_end: float = 0.0
+    #: A heartbeat or access-done is held and handled exactly at the pinner's expiry of a lease
+    #: it names.
+    at_expiry: float = 0.0
 
 
 @attrs.frozen
@@ -151,6 +192,8 @@ class Scenario:
     drift: float = 1e-4
     #: Give requests a hard cap (the campaign keeps seeds small).
     max_requests: int = 1 << 30
+    #: API-level adversity (None: none; see `ApiSpec`).
+    api: ApiSpec | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -163,6 +206,7 @@ class Scenario:
             "config": attrs.asdict(self.config),
             "drift": self.drift,
             "max_requests": self.max_requests,
+            **({"api": attrs.asdict(self.api)} if self.api is not None else {}),
         }
 
     @classmethod
@@ -186,6 +230,7 @@ class Scenario:
             config=LeaseConfig(**d["config"]),
             drift=float(d["drift"]),
             max_requests=int(d["max_requests"]),
+            api=ApiSpec(**d["api"]) if d.get("api") is not None else None,
         )
 
 
@@ -230,7 +275,7 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         max_drift_rate=rng.choice((1e-4, 1e-3, 1e-2, 1e-2)),
         max_access_time=duration_lease / 10.0,
         validity_margin=duration_lease / 100.0,
-        max_message_bytes=rng.choice((128, 256, 1024)),
+        max_message_bytes=rng.choice((192, 256, 1024)),
     )
     ext = cfg.lease_extension
     horizon = duration_lease * 7.0
@@ -285,6 +330,17 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         sample_every=horizon,
     )
     drift = cfg.max_drift_rate
+    # API-level adversity in about half the seeds. Drawn after everything above, so a seed
+    # without it is exactly the scenario it was before the knob existed.
+    api: ApiSpec | None = None
+    if rng.random() < 0.5:
+        api = _api_spec(rng, duration_lease)
+        # Ranks to misroute between: multi-rank engines on both sides most of the time (p != a
+        # and p = a > 1), with the sizes one of which divides the other.
+        prefill = tuple(EngineSpec(e.name, rng.choice((1, 2, 2, 4))) for e in prefill)
+        decode = tuple(EngineSpec(e.name, rng.choice((1, 2, 2, 4)), e.slots) for e in decode)
+        if config is None and rng.random() < 0.3:
+            cfg = cfg.with_changes(validity_margin=MIN_VALIDITY_MARGIN)  # the smallest margin allowed
     return Scenario(
         seed=seed,
         prefill=prefill,
@@ -295,4 +351,26 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         config=cfg,
         drift=drift,
         max_requests=20,
+        api=api,
+    )
+
+
+def _api_spec(rng: random.Random, duration_lease: float) -> ApiSpec:
+    """Which API-level faults a seed has, and how often (each on in about half the seeds)."""
+
+    def knob(*values: float) -> float:
+        return rng.choice(values) if rng.random() < 0.5 else 0.0
+
+    return ApiSpec(
+        retrack=knob(0.2, 0.5, 1.0),
+        abort=knob(0.1, 0.3),
+        redispatch=knob(0.1, 0.3),
+        notify=knob(0.5, 1.0),
+        fail_posted=knob(0.1, 0.3),
+        fail_unposted=knob(0.1, 0.3),
+        misroute=knob(0.02, 0.1),
+        dup_reply=knob(0.3, 1.0),
+        disconnect=knob(0.2 / duration_lease, 1.0 / duration_lease),
+        exact_end=knob(0.3, 1.0),
+        at_expiry=knob(0.02, 0.1),
     )
