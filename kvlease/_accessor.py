@@ -101,7 +101,7 @@ class AccessDecision:
 
 class _Tracked:
     __slots__ = (
-        "attached_confirm", "attempt", "confirm_deadline", "confirm_pending", "early_verdicts", "engine",
+        "attached_confirm", "attempt", "confirm_deadline", "confirm_pending", "early_verdicts", "engine", "held",
         "incarnation", "key", "kind", "lease_id", "push", "state", "tracked_at", "valid_until",
     )
 
@@ -115,6 +115,10 @@ class _Tracked:
         self.state = TrackedState.WAITING
         self.tracked_at = now
         self.valid_until = _NEG_INF
+        # A heartbeat round sent after tracking was acknowledged by every target rank without
+        # listing the lease: the pinner held it for this accessor then. A fixed-TTL lease has
+        # no validity before that (its deadline alone does not say the lease is still ours).
+        self.held = False
         self.attempt = 0  # the seq of the current access attempt's begin_access
         self.confirm_deadline = _NEG_INF  # CONFIRMING: give up (stale) at this local time
         self.confirm_pending: set[int] = set()
@@ -173,10 +177,10 @@ class Accessor:
     def __init__(self, config: LeaseConfig, engine_id: str, *, session: int, rank: int = 0, ranks: int = 1) -> None:
         if not engine_id:
             raise LocalProtocolError("engine_id must be a non-empty string")
-        if not isinstance(session, int) or not 0 <= session < _U64:
+        if type(session) is not int or not 0 <= session < _U64:
             raise LocalProtocolError(f"session must be a uint64, got {session!r}")
-        if not 0 <= rank < ranks <= MAX_RANKS:
-            raise LocalProtocolError(f"need 0 <= rank < ranks <= {MAX_RANKS}, got rank={rank} ranks={ranks}")
+        if type(rank) is not int or type(ranks) is not int or not 0 <= rank < ranks <= MAX_RANKS:
+            raise LocalProtocolError(f"need 0 <= rank < ranks <= {MAX_RANKS}, got rank={rank!r} ranks={ranks!r}")
         budget = heartbeat_id_budget(config.max_message_bytes, engine_id, "")
         if budget < MIN_ID_BUDGET:
             need = config.max_message_bytes - budget + MIN_ID_BUDGET
@@ -202,11 +206,15 @@ class Accessor:
 
     # -- time -------------------------------------------------------------------------------
 
-    def _advance(self, now: LocalTime) -> float:
+    def _check_now(self, now: LocalTime) -> float:
+        """Refuse a reading the accessor cannot use, changing nothing."""
         check_time(now)
         if now < self._now:
             raise LocalProtocolError(f"time ran backwards: now={now} after {self._now}")
-        self._now = now
+        return now
+
+    def _advance(self, now: LocalTime) -> float:
+        self._now = self._check_now(now)
         return now
 
     def _next_seq(self) -> int:
@@ -277,7 +285,8 @@ class Accessor:
             return t.confirm_deadline
         if t.kind is LeaseKind.FIXED_TTL:
             if t.valid_until == _NEG_INF:
-                return t.tracked_at + self.config.accessor_extension  # no converted deadline yet
+                # Not yet held (or no clock sample): give up after a lease duration without one.
+                return t.tracked_at + self.config.kv_lease_duration
             return t.valid_until
         # Renewable: a lapsed validity window only means we cannot *prove* the lease live (the
         # access would be confirmed, a push refused); heartbeats keep going and the pinner's
@@ -298,7 +307,7 @@ class Accessor:
         end the lease under the new one; a fresh lease is needed. A ticket older than this
         accessor's memory of given-up leases gives `LeaseLost(FORGOTTEN)` for the same reason.
         """
-        self._advance(now)
+        self._check_now(now)
         if key in self._tracked:
             raise LocalProtocolError(f"request {key!r} is already tracked")
         if push and ticket.kind is LeaseKind.FIXED_TTL:
@@ -312,14 +321,16 @@ class Accessor:
                 f"lease {ticket.lease_id} of {ticket.engine_id!r} was tracked before by this accessor and given up; "
                 "a message about it may still be in flight, so re-tracking it needs a fresh lease"
             )
+        lkey = (ticket.incarnation, ticket.lease_id)
+        known = self._engines.get(ticket.engine_id)
+        if known is not None and lkey in known.leases:
+            raise LocalProtocolError(f"lease {ticket.lease_id} of {ticket.engine_id!r} is already tracked")
+        self._now = now
         if ticket.lease_id <= self._retired_floor.get((ticket.engine_id, ticket.incarnation), 0):
             return (LeaseLost(key, ticket.lease_id, LostReason.FORGOTTEN),)
         eng = self._engines.get(ticket.engine_id)
         if eng is None:
             eng = self._engines[ticket.engine_id] = _PinnerEngine(ticket.engine_id, self.config, ticket.ranks)
-        lkey = (ticket.incarnation, ticket.lease_id)
-        if lkey in eng.leases:
-            raise LocalProtocolError(f"lease {ticket.lease_id} of {ticket.engine_id!r} is already tracked")
         if eng.connected and eng.incarnation == ticket.incarnation and eng.ranks != ticket.ranks:
             self._retire(rkey)
             return (LeaseLost(key, ticket.lease_id, LostReason.UNKNOWN),)
@@ -350,13 +361,14 @@ class Accessor:
         """The request finished or was aborted before its access: stop heartbeating and tell
         the pinner it may free now. Untracking an unknown key is a harmless no-op (the lease
         may have been reported lost already)."""
-        self._advance(now)
+        self._check_now(now)
         t = self._tracked.get(key)
-        if t is None:
-            return ()
-        if t.state is TrackedState.ACCESSING or t.state is TrackedState.LOST:
+        if t is not None and (t.state is TrackedState.ACCESSING or t.state is TrackedState.LOST):
             # LOST: lost while an access is in flight; the access is still the engine's to end.
             raise LocalProtocolError(f"request {key!r} has an access in flight: finish or fail it first")
+        self._now = now
+        if t is None:
+            return ()
         self._forget(t)
         return self._release(t)
 
@@ -405,8 +417,9 @@ class Accessor:
         ``posted=False`` nothing of the attempt can reach the pinner and the lease stays
         tracked for a retry.
         """
-        self._advance(now)
+        self._check_now(now)
         t = self._require(key, TrackedState.ACCESSING, TrackedState.LOST)
+        self._now = now
         if t.state is TrackedState.LOST:
             self._forget(t)
             return ()
@@ -426,8 +439,9 @@ class Accessor:
         (after the data landed), so the access-done is sent again only if a confirmation is
         needed that the attached one did not ask for.
         """
-        self._advance(now)
+        self._check_now(now)
         t = self._require(key, TrackedState.ACCESSING, TrackedState.LOST)
+        self._now = now
         eng = t.engine
         targets = self._layout(eng).targets
         if t.state is TrackedState.LOST:
@@ -610,8 +624,14 @@ class Accessor:
             valid = rec.t_send + self.config.accessor_extension
             for lease_id in rec.ids:
                 renewed = eng.leases.get((rec.incarnation, lease_id))
-                if renewed is None or lease_id in rec.missing or renewed.kind is not LeaseKind.RENEWABLE:
+                if renewed is None or lease_id in rec.missing:
                     continue
+                if renewed.kind is not LeaseKind.RENEWABLE:
+                    if not renewed.held:
+                        renewed.held = True
+                        self._refresh_fixed(now, eng, renewed)
+                    continue
+                renewed.held = True
                 if valid > renewed.valid_until:
                     renewed.valid_until = valid
         if ack.rank == 0:
@@ -714,7 +734,7 @@ class Accessor:
 
     def _refresh_fixed(self, now: float, eng: _PinnerEngine, t: _Tracked) -> None:
         deadline = eng.deadlines.get((t.incarnation, t.lease_id))
-        if deadline is None:
+        if deadline is None or not t.held:
             return
         local = eng.clock.to_local_deadline(LocalTime(now), deadline)
         if local is not None:

@@ -210,6 +210,8 @@ def split_ids(ids: Sequence[int], budget: int) -> list[tuple[int, ...]]:
 
 
 def _pack_ids(ids: Iterable[int]) -> list[int]:
+    if isinstance(ids, Sequence) and len(ids) > MAX_IDS:
+        raise EncodeError(f"an id list holds at most {MAX_IDS} ids, got {len(ids)}")
     out: list[int] = []
     prev = -1
     for v in ids:
@@ -219,6 +221,8 @@ def _pack_ids(ids: Iterable[int]) -> list[int]:
             raise EncodeError(f"lease ids must be strictly increasing, got {v} after {prev}")
         out.append(v if prev < 0 else v - prev)
         prev = v
+    if len(out) > MAX_IDS:
+        raise EncodeError(f"an id list holds at most {MAX_IDS} ids, got {len(out)}")
     return out
 
 
@@ -278,7 +282,7 @@ def _fast_ranks(rank: object, ranks: object) -> bool:
 
 def _fast_pack_ids(ids: object) -> list[int] | None:
     """`_pack_ids` for a tuple of ints, or None to take the general path."""
-    if type(ids) is not tuple:
+    if type(ids) is not tuple or len(ids) > MAX_IDS:
         return None
     if not ids:
         return []
@@ -372,7 +376,7 @@ def encode(msg: Message) -> bytes:
         # `packb` builds a Packer with a 256 KiB buffer per call (most of an encode's cost);
         # a fresh small one per call packs the same bytes and stays thread-safe.
         packed_fast: bytes = msgpack.Packer(use_bin_type=True, buf_size=_FAST_PACK_BUFFER).pack(fast)
-        return MAGIC + packed_fast
+        return _bounded(MAGIC + packed_fast)
     mtype = _MESSAGE_TYPES.get(type(msg))
     if mtype is None:
         raise EncodeError(f"not a kvlease message: {msg!r}")
@@ -380,7 +384,13 @@ def encode(msg: Message) -> bytes:
     for name, kind in _FIELDS[mtype]:
         body.append(_encode_field(name, kind, getattr(msg, name)))
     packed: bytes = msgpack.packb(body, use_bin_type=True)
-    return MAGIC + packed
+    return _bounded(MAGIC + packed)
+
+
+def _bounded(frame: bytes) -> bytes:
+    if len(frame) > MAX_DECODE_BYTES:
+        raise EncodeError(f"message of {len(frame)} bytes exceeds the {MAX_DECODE_BYTES}-byte bound of every decoder")
+    return frame
 
 
 def _decode_ids(what: str, v: Any) -> tuple[int, ...]:

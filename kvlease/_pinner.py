@@ -167,9 +167,9 @@ class Pinner:
     ) -> None:
         if not engine_id:
             raise LocalProtocolError("engine_id must be a non-empty string")
-        if not 0 <= incarnation < 1 << 64:
-            raise LocalProtocolError(f"incarnation must be a uint64, got {incarnation}")
-        if not 0 <= rank < ranks <= _MAX_RANK:
+        if type(incarnation) is not int or not 0 <= incarnation < 1 << 64:
+            raise LocalProtocolError(f"incarnation must be a uint64, got {incarnation!r}")
+        if type(rank) is not int or type(ranks) is not int or not 0 <= rank < ranks <= _MAX_RANK:
             raise LocalProtocolError(f"need 0 <= rank < ranks <= {_MAX_RANK}, got rank={rank} ranks={ranks}")
         budget = heartbeat_id_budget(config.max_message_bytes, "", engine_id)
         if budget < MIN_ID_BUDGET:
@@ -192,11 +192,15 @@ class Pinner:
 
     # -- time -------------------------------------------------------------------------------
 
-    def _advance(self, now: LocalTime) -> float:
+    def _check_now(self, now: LocalTime) -> float:
+        """Refuse a reading the pinner cannot use, changing nothing."""
         check_time(now)
         if now < self._now:
             raise LocalProtocolError(f"time ran backwards: now={now} after {self._now}")
-        self._now = now
+        return now
+
+    def _advance(self, now: LocalTime) -> float:
+        self._now = self._check_now(now)
         return now
 
     def next_deadline(self) -> LocalTime | None:
@@ -258,29 +262,30 @@ class Pinner:
         id for all; ids only increase on one pinner incarnation (an id is never reused, so a
         late message about an old lease can never touch a new one).
         """
-        self._advance(now)
+        self._check_now(now)
         if kind is _RENEWABLE and ttl is None:
             duration = self.config.kv_lease_duration
         elif kind is _FIXED_TTL:
             duration = self.config.decoder_kv_blocks_ttl if ttl is None else ttl
         else:
             raise LocalProtocolError("ttl is only for FIXED_TTL leases")
-        if not 0.0 < duration < _INF:
-            raise LocalProtocolError(f"lease duration must be positive and finite, got {duration}")
-        if expected is not None and not 1 <= expected <= _MAX_RANK:
-            raise LocalProtocolError(f"expected must be in [1, {_MAX_RANK}], got {expected}")
+        if not isinstance(duration, int | float) or isinstance(duration, bool) or not 0.0 < duration < _INF:
+            raise LocalProtocolError(f"lease duration must be positive and finite, got {duration!r}")
+        if expected is not None and (type(expected) is not int or not 1 <= expected <= _MAX_RANK):
+            raise LocalProtocolError(f"expected must be an integer in [1, {_MAX_RANK}], got {expected!r}")
         if lease_id is None:
             lease_id = self._next_id
-        elif not isinstance(lease_id, int) or not self._next_id <= lease_id < _U64:
+        elif type(lease_id) is not int or not self._next_id <= lease_id < _U64:
             raise LocalProtocolError(
                 f"lease_id must be an integer in [{self._next_id}, 2**64): ids only increase on one "
-                f"incarnation, got {lease_id}"
+                f"incarnation, got {lease_id!r}"
             )
         if lease_id >= _U64:
             raise LocalProtocolError("lease ids of this incarnation are exhausted: restart with a new incarnation")
-        self._next_id = lease_id + 1
         expiry = now + duration
         check_time(expiry)
+        self._now = now
+        self._next_id = lease_id + 1
         lease = _Lease(lease_id, key, kind, expiry, expected or 0, push)
         self._leases[lease_id] = lease
         heapq.heappush(self._heap, (expiry, lease_id))
@@ -308,12 +313,14 @@ class Pinner:
         ended and been forgotten) is a harmless race (no output); an id this incarnation
         never issued is misuse.
         """
-        self._advance(now)
+        self._check_now(now)
         lease = self._leases.get(lease_id)
         if lease is None:
-            if not 1 <= lease_id < self._next_id:
-                raise LocalProtocolError(f"lease id {lease_id} was never granted by this pinner")
+            if type(lease_id) is not int or not 1 <= lease_id < self._next_id:
+                raise LocalProtocolError(f"lease id {lease_id!r} was never granted by this pinner")
+            self._now = now
             return ()
+        self._now = now
         if lease.state is not _ACTIVE or lease.expiry <= now:
             return ()  # already releasing, expired, or a push write may still land: expiry frees it
         if not lease.promised:
@@ -388,6 +395,11 @@ class Pinner:
             self.counters.rejected += 1
             why = f"handshake version {msg.version}, this pinner speaks {PROTOCOL_VERSION}"
             return (Rejected(msg.engine_id, why), reply)
+        why_layout = layout_error(self.ranks, msg.ranks, msg.rank)
+        if why_layout is not None:
+            # Answered all the same: the reply carries our ranks, so the accessor refuses too.
+            self.counters.rejected += 1
+            return (Rejected(msg.engine_id, f"handshake: {why_layout}"), reply)
         return (reply,)
 
     def _layout_rejection(self, engine_id: str, what: str, rank: int, ranks: int) -> Rejected | None:
@@ -611,8 +623,9 @@ class Pinner:
     def receive_vllm_heartbeat(self, now: LocalTime, request_ids: Iterable[str]) -> int:
         """Renew by request id, as a stock vLLM decoder's ``HB:`` notification asks. vLLM
         expects no answer. Returns how many were renewed. Needs ``vllm_compat=True``."""
-        self._advance(now)
+        self._check_now(now)
         by_key = self._require_compat()
+        self._now = now
         ids = sorted({by_key[k] for k in request_ids if k in by_key})
         self.counters.heartbeats += 1
         renewed = self._renew(now, self.incarnation, ids, _COMPAT_ENGINE, 0, 0)[0]
@@ -621,8 +634,9 @@ class Pinner:
     def receive_vllm_done(self, now: LocalTime, request_id: str, count: int) -> tuple[PinnerOutput, ...]:
         """Handle a stock vLLM ``id:count`` read-done notification (one per reading worker;
         the lease ends after `count` of them)."""
-        self._advance(now)
+        self._check_now(now)
         by_key = self._require_compat()
+        self._now = now
         lease_id = by_key.get(request_id)
         lease = None if lease_id is None else self._leases.get(lease_id)
         if lease is None or lease.state is LeaseState.QUARANTINED or lease.expiry <= now:

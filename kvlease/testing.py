@@ -583,6 +583,7 @@ class MeshAccess:
     begin: float
     targets: tuple[int, ...]
     notification: bytes
+    attempt: int
     end: float | None = None
 
 
@@ -640,8 +641,8 @@ class Mesh:
         self.tickets: dict[str, LeaseTicket] = {}  # request key -> ticket
         self.granted_at: dict[int, float] = {}
         self.frees: dict[tuple[int, int], tuple[float, Free]] = {}  # (lease id, pinner rank)
-        # (lease id, pinner rank) -> accessor (engine, rank) whose access-done reached it
-        self.done_heard: dict[tuple[int, int], set[tuple[str, int]]] = {}
+        # (lease id, pinner rank) -> accessor (engine, rank, attempt) whose access-done reached it
+        self.done_heard: dict[tuple[int, int], set[tuple[str, int, int]]] = {}
         self.accesses: dict[tuple[str, int, str], MeshAccess] = {}  # open accesses
         self.finished: dict[tuple[str, int, str], MeshAccess] = {}  # the last finished one
         self.events: list[tuple[str, int, LeaseLost | AccessCompleted | AccessStale]] = []
@@ -686,7 +687,8 @@ class Mesh:
             assert decision.notification is not None
             lease_id = decision.notification.lease_id
             self.accesses[engine, rank, key] = MeshAccess(
-                engine, rank, key, lease_id, self.real, decision.targets, encode(decision.notification)
+                engine, rank, key, lease_id, self.real, decision.targets, encode(decision.notification),
+                decision.notification.attempt,
             )
         return decision
 
@@ -771,7 +773,7 @@ class Mesh:
             if m.engine != self.PINNER or not 0 <= m.rank < len(self.pinners):
                 return
             if isinstance(msg, AccessDone):
-                self.done_heard.setdefault((msg.lease_id, m.rank), set()).add((msg.engine_id, msg.rank))
+                self.done_heard.setdefault((msg.lease_id, m.rank), set()).add((msg.engine_id, msg.rank, msg.attempt))
             self._pinner_outputs(m.rank, self.pinners[m.rank].receive(self.now_p(), msg))
         else:
             acc = self.accessors.get((m.engine, m.rank))
@@ -876,9 +878,14 @@ class Mesh:
         access = self.finished.get((engine, rank, ev.key))
         if access is None or access.end is None:
             raise InvariantViolation(f"AccessCompleted for {engine}.{rank} {ev.key!r} with no finished access")
+        own = (engine, rank, access.attempt)
         for q in access.targets:
             freed = self.frees.get((access.lease_id, q))
-            if freed is not None and freed[0] < access.end - TIME_TOLERANCE:
+            # A free this very access's own access-done caused came after its data landed;
+            # any other free at or before the access's end overlapped it.
+            if freed is not None and own not in self.done_heard.get((access.lease_id, q), set()) and (
+                freed[0] <= access.end + TIME_TOLERANCE
+            ):
                 raise InvariantViolation(
                     f"stale read reported done: {engine}.{rank} read {ev.key!r} (lease {access.lease_id}) from "
                     f"pinner rank {q} during [{access.begin}, {access.end}], but that rank freed it at real "
@@ -896,13 +903,16 @@ class Mesh:
                 if v is None:
                     continue
                 v_real = clock.real(v)
+                # Validity past a free is fine only while the access whose own access-done
+                # caused that free is still being finished (not for a later one).
+                access = self.accesses.get((e, r, key)) or self.finished.get((e, r, key))
+                in_access = acc.state_of(key) is not TrackedState.WAITING
                 for q in tp_layout(p_ranks, acc.ranks, r).targets:
                     limit: float | None = None
                     freed = self.frees.get((ticket.lease_id, q))
                     if freed is not None:
-                        own = freed[1].reason is EndReason.ACCESS_DONE and (e, r) in self.done_heard.get(
-                            (ticket.lease_id, q), set()
-                        )
+                        heard = self.done_heard.get((ticket.lease_id, q), set())
+                        own = in_access and access is not None and (e, r, access.attempt) in heard
                         if not own:
                             limit = freed[0]
                     else:

@@ -262,3 +262,94 @@ def test_the_runner_is_pure() -> None:
                 names = [node.module]
             for n in names:
                 assert n.split(".")[0] not in forbidden, f"{path.name} imports {n}"
+
+
+# -- next_deadline binds as a bound; errors and drivers that never start ----------------------
+
+
+class _Deadlines:
+    """The core, with every step's next_deadline replaced by `fn(now, reference)`."""
+
+    def __init__(self, fn: Any) -> None:
+        self.impl = CoreImplementation()
+        self.fn = fn
+
+    def call(self, request: JSONDict) -> JSONDict:
+        resp = self.impl.call(request)
+        if request["cmd"] == "step" and resp.get("ok"):
+            resp["next_deadline"] = self.fn(request["now"], resp["next_deadline"])
+        return resp
+
+
+TRACES = sorted(n for n, v in BY_NAME.items() if v["kind"] == "trace")
+
+
+@pytest.mark.parametrize("answer", ["null", "far", "late"])
+def test_a_dishonest_next_deadline_fails_every_trace(answer: str) -> None:
+    """A driver answering null, 1e12 or its deadline a second late passed every v1 vector."""
+    fn = {
+        "null": lambda now, ref: None,
+        "far": lambda now, ref: 1e12,
+        "late": lambda now, ref: None if ref is None else ref + 1.0,
+    }[answer]
+    for name in TRACES:
+        result = run_vector(BY_NAME[name], _Deadlines(fn))
+        assert not result.passed, name
+        assert result.mismatch is not None and "next_deadline" in result.mismatch.why
+
+
+def test_an_exact_or_early_next_deadline_passes() -> None:
+    """The reference's timers are lazy (a renewed lease's old deadline stays queued); an
+    implementation that wakes exactly at its next work, or earlier, conforms."""
+    for name in TRACES:
+        v = BY_NAME[name]
+        works = iter([s["expect"].get("next_work") for s in v["steps"] if s["expect"].get("ok")])  # type: ignore[index,union-attr]
+
+        def exact(now: float, ref: float | None) -> float | None:
+            return next(works)
+
+        assert run_vector(v, _Deadlines(exact)).passed, name
+        def early(now: float, ref: float | None) -> float | None:
+            return ref if ref is None or ref <= now else (now + ref) / 2  # halfway: early, never a busy loop
+
+        assert run_vector(v, _Deadlines(early)).passed, name
+
+
+def test_a_busy_loop_after_handle_timeout_fails() -> None:
+    v = BY_NAME["happy_pull"]
+    result = run_vector(v, _Deadlines(lambda now, ref: now if ref is not None else None))
+    assert result.mismatch is not None and "busy loop" in result.mismatch.why
+
+
+def test_the_headline_shows_the_implementations_error_message() -> None:
+    v = BY_NAME["happy_pull"]
+
+    def refuse(resp: JSONDict) -> None:
+        resp.clear()
+        resp.update({"ok": False, "error": {"class": "LocalProtocolError", "error_message": "my engine says no"}})
+
+    result = run_vector(v, _Tampering(2, refuse))
+    assert result.mismatch is not None and "my engine says no" in result.mismatch.why
+
+
+def test_the_diff_leaves_out_keys_that_do_not_bind() -> None:
+    v = copy.deepcopy(BY_NAME["happy_pull"])
+    i = _step_index(v, "access_finished")
+    v["steps"][i]["expect"]["outputs"] = []  # type: ignore[index]
+    result = run_vector(v, CoreImplementation())
+    assert result.mismatch is not None
+    text = result.mismatch.render()
+    assert '"note"' not in text and '"reason_text"' not in text and '"error_message"' not in text
+
+
+@pytest.mark.parametrize(
+    ("cmd", "says"),
+    [("/nonexistent/kvlease-driver", "cannot start the driver"), ("/bin/false", "exited at once (status 1)")],
+)
+def test_the_cli_says_in_one_line_when_a_driver_cannot_run(cmd: str, says: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlease", "conformance", "--driver", cmd, "--vectors", str(VECTORS_DIR)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and says in proc.stderr, proc.stderr

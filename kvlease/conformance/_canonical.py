@@ -46,9 +46,10 @@ JSONDict: TypeAlias = dict[str, JSON]
 #: the bytes anyway; on the JSON side this bound is far below any protocol margin.
 FLOAT_TOLERANCE = 1e-6
 
-#: Keys that explain but do not bind: free-text reasons, decoded copies of hex, notes, and
-#: `next_deadline` (an implementation may wake early, so only its outputs are normative).
-INFORMATIVE_KEYS = frozenset({"reason_text", "message", "note", "next_deadline", "error_message"})
+#: Keys that `compare` skips: free-text reasons, decoded copies of hex, notes, and the deadline
+#: keys (`next_deadline` is the reference's, which may be early; `next_work` is checked as a
+#: bound on the implementation's next_deadline by the runner, not compared for equality).
+INFORMATIVE_KEYS = frozenset({"reason_text", "message", "note", "next_deadline", "next_work", "error_message"})
 
 
 def _plain(v: object) -> JSON:

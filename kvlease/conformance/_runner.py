@@ -144,28 +144,33 @@ def _run_trace(name: str, desc: str, vector: JSONDict, impl: Implementation) -> 
 
 
 def _check_deadline(request: JSONDict, expected: JSON, resp: JSONDict) -> str | None:
-    """`next_deadline` binds as a bound: None exactly when the reference has nothing pending,
-    otherwise no later than the reference's (waking early is allowed, late is not; overdue
-    work may leave it before `now`), and right after `handle_timeout` strictly after `now`
-    (no busy loop)."""
-    if not isinstance(expected, dict) or expected.get("ok") is not True or "next_deadline" not in expected:
+    """`next_deadline` binds as a bound. The vector records ``next_work``: the first instant at
+    which the endpoint has work (an output) if nothing else arrives. A conforming answer is a
+    number no later than that (waking early is allowed, late is not); with no work pending,
+    null or any number (a spurious wake-up is harmless). Right after `handle_timeout` it must be
+    null or strictly after `now` (no busy loop)."""
+    if not isinstance(expected, dict) or expected.get("ok") is not True or "next_work" not in expected:
         return None
-    want, got, now = expected.get("next_deadline"), resp.get("next_deadline"), request.get("now")
-    if want is None or got is None:
-        return None if want is got else f"$.next_deadline: expected {want!r}, got {got!r}"
-    if not isinstance(got, int | float) or isinstance(got, bool) or not isinstance(want, int | float):
-        return f"$.next_deadline: expected a number, got {got!r}"
-    if got > want + FLOAT_TOLERANCE:
-        return f"$.next_deadline: {got!r} is later than the reference deadline {want!r} (work would run late)"
-    if isinstance(now, int | float) and request.get("op") == "handle_timeout" and got <= now:
+    work, got, now = expected.get("next_work"), resp.get("next_deadline"), request.get("now")
+    if got is not None and (not isinstance(got, int | float) or isinstance(got, bool)):
+        return f"$.next_deadline: expected a number or null, got {got!r}"
+    if isinstance(work, int | float):
+        if got is None:
+            return f"$.next_deadline: null, but work is due at {work!r}"
+        if got > work + FLOAT_TOLERANCE:
+            return f"$.next_deadline: {got!r} is later than the next work at {work!r} (it would run late)"
+    if got is not None and isinstance(now, int | float) and request.get("op") == "handle_timeout" and got <= now:
         return f"$.next_deadline: {got!r} is not after now={now!r} right after handle_timeout (a busy loop)"
     return None
 
 
+_BOUNDS = ("next_deadline", "next_work")
+
+
 def _for_diff(v: JSON) -> JSON:
-    """Drop the keys that do not bind (but keep next_deadline, which binds as a bound)."""
+    """Drop the keys that do not bind (but keep the deadline keys, which bind as a bound)."""
     if isinstance(v, dict):
-        return {k: _for_diff(x) for k, x in v.items() if k not in INFORMATIVE_KEYS or k == "next_deadline"}
+        return {k: _for_diff(x) for k, x in v.items() if k not in INFORMATIVE_KEYS or k in _BOUNDS}
     if isinstance(v, list):
         return [_for_diff(x) for x in v]
     return v

@@ -139,6 +139,18 @@ def minimize(
                 break
         if changed:
             continue
+        api = best.api
+        if api is not None:
+            # No API adversity at all, else each API fault off in turn.
+            cands = [None] + [
+                attrs.evolve(api, **{f.name: 0.0}) for f in attrs.fields(type(api)) if getattr(api, f.name)
+            ]
+            for cand_api in cands:
+                if still(attrs.evolve(best, api=cand_api)):
+                    best, changed = attrs.evolve(best, api=cand_api), True
+                    break
+        if changed:
+            continue
         net = best.network
         for quiet in (attrs.evolve(net, loss=0.0), attrs.evolve(net, dup=0.0), attrs.evolve(net, jitter=0.0)):
             if quiet != net and still(attrs.evolve(best, network=quiet)):
@@ -173,7 +185,11 @@ def relevant_trace(result: RunResult, violation: Violation) -> list[tuple[float,
     for _t, who, what, detail in trace:
         if what == "track" and key_re is not None and key_re.search(detail):
             engines.add(who.split(".")[0])
-    faults = {"crash", "restart", "partition", "heal", "stall", "edge-stall"}
+    faults = {
+        "crash", "restart", "partition", "heal", "stall", "edge-stall",
+        # API-level adversity (`ApiSpec`)
+        "disconnect", "retrack", "abort", "misroute", "hold", "exact_end", "post_failed", "transfer_failed",
+    }
     start = 0.0
     for t, _who, what, detail in trace:
         if what == "grant" and lease_re is not None and lease_re.search(detail):

@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from .._accessor import Accessor, TrackedState
+from .._accessor import AccessDecision, Accessor, TrackedState
 from .._clock import LocalTime
 from .._codec import decode, encode
 from .._config import LeaseConfig
@@ -446,8 +446,13 @@ class Cluster:
         # API-level adversity (kvlease only): its own random stream, so a scenario without it
         # draws exactly what it drew before the knob existed.
         self.api = scenario.api if policy is Policy.KVLEASE else None
-        self.api_rng = random.Random(scenario.seed * 0x9E3779B1 + 0xA91)
         api = self.api
+        # One random stream per kind of API fault: switching one off (as `minimize` does)
+        # leaves the others' draws as they were.
+        self.api_rngs: dict[str, random.Random] = {
+            f.name: random.Random(scenario.seed * 0x9E3779B1 + 0xA91 + 7919 * i)
+            for i, f in enumerate(attrs.fields(type(api)) if api is not None else ())
+        }
         self._misroute = api.misroute if api is not None else 0.0
         self._at_expiry = api.at_expiry if api is not None else 0.0
         self._track_seq = api is not None and api.disconnect > 0
@@ -512,7 +517,7 @@ class Cluster:
             self._at(f.at, self._fault, f)
         if self.api is not None and self.api.disconnect > 0:
             for de in self.d.values():
-                self._at(self.api_rng.expovariate(self.api.disconnect), self._disconnect, de)
+                self._at(self.api_rngs["disconnect"].expovariate(self.api.disconnect), self._disconnect, de)
         self._at(0.0, self._arrival, None)
         if wl.sample_every > 0:
             self._at(0.0, self._sample, None)
@@ -825,7 +830,7 @@ class Cluster:
         """`_send` of one frame to `rank` of `dst` that must confer nothing there (`why`)."""
         res = self.result
         net = self.sc.network
-        rng = self.net_rng
+        rng = self.api_rngs["misroute"]  # only misroutes deliver checked frames
         res.messages += 1
         res.protocol_bytes += len(data)
         if heartbeat:
@@ -850,12 +855,12 @@ class Cluster:
         pe = self.p.get(out.engine_id)
         if pe is None or out.rank is None:
             return False
-        rng = self.api_rng
         if (
-            self._at_expiry and isinstance(msg, Heartbeat | AccessDone) and rng.random() < self._at_expiry
-            and self._hold_to_expiry(de, pe, out.rank, msg)
+            self._at_expiry and isinstance(msg, Heartbeat | AccessDone)
+            and self.api_rngs["at_expiry"].random() < self._at_expiry and self._hold_to_expiry(de, pe, out.rank, msg)
         ):
             return True
+        rng = self.api_rngs["misroute"]
         if self._misroute and pe.tp > 1 and rng.random() < self._misroute:
             q = out.rank
             targets = tp_layout(pe.tp, de.tp, rank).targets
@@ -884,7 +889,7 @@ class Cluster:
         ids = msg.lease_ids if isinstance(msg, Heartbeat) else (msg.lease_id,)
         if not ids:
             return False
-        lid = ids[self.api_rng.randrange(len(ids))]
+        lid = ids[self.api_rngs["at_expiry"].randrange(len(ids))]
         info = pe.pinners[prank].info(lid)
         if info is None:
             return False
@@ -1165,9 +1170,10 @@ class Cluster:
                 self._trace(f"{pe.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {out.message!r}")
             if self._misroute:
                 de = self.d.get(out.engine_id)
-                if de is not None and de.tp > 1 and out.rank is not None and self.api_rng.random() < self._misroute:
+                rng = self.api_rngs["misroute"]
+                if de is not None and de.tp > 1 and out.rank is not None and rng.random() < self._misroute:
                     # Delivered to a sibling accessor rank (whose clock reads the same).
-                    to = self.api_rng.choice([r for r in range(de.tp) if r != out.rank])
+                    to = rng.choice([r for r in range(de.tp) if r != out.rank])
                     self._api_mark(de.name, pe.name)
                     self._count("misrouted-to-accessor")
                     why = f"{type(out.message).__name__} of {pe.name}.{rank} for rank {out.rank} misrouted to rank {to}"
@@ -1238,24 +1244,41 @@ class Cluster:
             de.hb_due = self.now
         if self._tracing:
             self._trace(de.name, "track", req.key)
+        api = self.api
+        if api is not None and not req.copy:
+            d = self.cfg.kv_lease_duration
+            rng = self.api_rngs["abort"]
+            if api.abort and rng.random() < api.abort:
+                self._at(self.now + rng.uniform(0.0, d), self._abort, (de, de.gen, req))
+            rng = self.api_rngs["redispatch"]
+            if api.redispatch and rng.random() < api.redispatch:
+                self._at(self.now + rng.uniform(0.0, d / 4), self._redispatch, req)
         self._poke(de, self.now)
 
     def _d_boundary(self, de: _DEngine, *, stepped: bool) -> None:
         t = self.now
         clock = de.clock
         now: LocalTime = clock.epoch + clock.rate * t  # type: ignore[assignment]  # _Clock.local
+        if now < clock.floor:
+            now = LocalTime(clock.floor)
         accessors = de.accessors
         recorded = self.recorded
         if de.replies:
             replies = de.replies
             de.replies = []
+            api = self.api
             for rank, data in replies:
                 msg = decode(data)
                 assert isinstance(msg, HandshakeReply)
+                if de.cut_seq and self._stale_answer(de, rank, msg):
+                    self._d_checked(de, now, rank, data, "handshake reply from before a disconnect")
+                    continue
                 if self.recorded is not None:
                     self._rec(accessors[rank], now, "handshake_reply", {"hex": data.hex()})
                 for out in accessors[rank].handshake_reply(now, msg):
                     self._d_output(de, rank, out)
+                if api is not None and api.dup_reply and self.api_rngs["dup_reply"].random() < api.dup_reply:
+                    self._dup_reply(de, rank, data, msg.engine_id)
         if de.inbox:
             inbox = de.inbox
             de.inbox = []
@@ -1265,6 +1288,9 @@ class Cluster:
                 except DecodeError as exc:
                     self._violate("codec", f"{de.name} could not decode: {exc}")
                     continue
+                if de.cut_seq and self._stale_answer(de, rank, msg):
+                    self._d_checked(de, now, rank, data, f"{type(msg).__name__} from before a disconnect")
+                    continue
                 if self._tracing:
                     self._trace(f"{de.name}.{rank}", "recv", repr(msg))
                 if recorded is not None:
@@ -1273,10 +1299,15 @@ class Cluster:
                 if outs:
                     for out in outs:
                         self._d_output(de, rank, out)
+        if de.checked:
+            checked = de.checked
+            de.checked = []
+            for rank, data, why in checked:
+                self._d_checked(de, now, rank, data, why)
         for req in de.transfers:
-            if req.xfer_end <= t:  # some transfer ended
-                done = [req for req in de.transfers if req.xfer_end <= t]
-                de.transfers = [req for req in de.transfers if req.xfer_end > t]
+            if req.due <= t:  # some transfer ended
+                done = [req for req in de.transfers if req.due <= t]
+                de.transfers = [req for req in de.transfers if req.due > t]
                 for ended in done:
                     self._transfer_done(de, now, ended)
                 break
@@ -1319,7 +1350,7 @@ class Cluster:
             return
         nd = _INF
         for req in de.transfers:
-            nd = min(nd, req.xfer_end)
+            nd = min(nd, req.due)
         if accessors:
             for acc in accessors:
                 ad = acc.next_deadline()
@@ -1367,6 +1398,7 @@ class Cluster:
     def _begin(self, de: _DEngine, now: LocalTime, req: _Req) -> bool:
         """Ask every rank's accessor; start the transfer only if all allow it."""
         started: list[int] = []
+        decisions: list[AccessDecision] = []
         for r, acc in enumerate(de.accessors):
             if self.recorded is not None:
                 self._rec(acc, now, "begin_access", {"key": req.key})
@@ -1378,9 +1410,14 @@ class Cluster:
                     de.accessors[s].access_failed(now, req.key, posted=False)  # never posted: back to waiting
                 return False
             started.append(r)
+            decisions.append(dec)
         wl = self.sc.workload
         req.xfer_start = self.now
-        req.xfer_end = self.now + wl.transfer_base + wl.transfer_per_block * req.blocks
+        req.xfer_end = req.due = self.now + wl.transfer_base + wl.transfer_per_block * req.blocks
+        req.exact = None
+        req.notes = None
+        if self.api is not None and decisions and not self._api_begin(de, now, req, decisions):
+            return False
         de.transfers.append(req)
         if self._tracing:
             self._trace(de.name, "begin_access", f"{req.key} until {req.xfer_end:.9f}")
@@ -1405,6 +1442,12 @@ class Cluster:
                     )
         if self._tracing:
             self._trace(de.name, "transfer_done", f"{req.key} ok={ok} end={end:.9f}")
+        if ok and req.notes is not None:
+            # The transport delivers each rank's attached access-done after its data landed,
+            # whatever the engine has decided about the request meanwhile.
+            for r, note_ranks, note in req.notes:
+                for q in note_ranks:
+                    self._d_output(de, r, Send(pe.name, q, note))
         if req.failed:
             for r, acc in enumerate(de.accessors):
                 if acc.state_of(req.key) is not None:
@@ -1431,11 +1474,19 @@ class Cluster:
             self._fail(de, req, "transfer failed")
             return
         if de.accessors:
+            notified = False
+            if req.notes is not None:
+                api = self.api
+                if api is not None and api.fail_posted and self.api_rngs["fail_posted"].random() < api.fail_posted:
+                    self._failed_after_notify(de, now, req)
+                    return
+                notified = True
             finished = []
             for acc in de.accessors:
                 if self.recorded is not None:
-                    self._rec(acc, now, "access_finished", {"key": req.key})
-                finished.append(acc.access_finished(now, req.key))
+                    args: dict[str, Any] = {"key": req.key, "notified": True} if notified else {"key": req.key}
+                    self._rec(acc, now, "access_finished", args)
+                finished.append(acc.access_finished(now, req.key, notified=notified))
             for r, outs in enumerate(finished):
                 for out in outs:
                     self._d_output(de, r, out)
@@ -1469,6 +1520,10 @@ class Cluster:
             self._trace(de.name, "accepted", req.key)
         de.running[req.key] = req
         heapq.heappush(de.finishing, (de.steps + req.out_tokens, req.id, req.key))
+        api = self.api
+        if api is not None and api.retrack and self.api_rngs["retrack"].random() < api.retrack:
+            later = self.now + self.api_rngs["retrack"].uniform(0.0, self.cfg.kv_lease_duration / 2)
+            self._at(later, self._retrack_later, (de, de.gen, req))
 
     def _finish(self, de: _DEngine, req: _Req) -> None:
         self.result.completed += 1
@@ -1513,6 +1568,11 @@ class Cluster:
                         lease.last_hb = self.now
             if self._tracing:
                 self._trace(f"{de.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {msg!r}")
+            if self.api is not None:
+                if self._track_seq and isinstance(msg, Heartbeat | AccessDone):
+                    self._sent(de, rank, out.engine_id, msg.seq if isinstance(msg, Heartbeat) else msg.attempt)
+                if self._api_send(de, rank, out, msg, hb):
+                    return
             self._send(de, out.engine_id, out.rank, encode(msg), hb)
         elif isinstance(out, HandshakeNeeded):
             self._side_channel(de, rank, out.engine_id, out.message)
@@ -1556,6 +1616,8 @@ class Cluster:
         self._recompute(req)
 
     def _side_channel(self, de: _DEngine, rank: int, p_name: str, msg: Handshake) -> None:
+        if self._track_seq:
+            self._sent(de, rank, p_name, msg.seq)
         delay = self.sc.network.side_channel_delay
         self._at(self.now + delay, self._handshake_at_p, (de, de.gen, rank, p_name, encode(msg)))
 
@@ -1579,8 +1641,296 @@ class Cluster:
         de, gen, rank, data, p_name = arg
         if not de.alive or de.gen != gen or self._cut(de.name, p_name):
             return
-        de.replies.append((rank, data))
+        rng = self.api_rngs["misroute"] if self._misroute else None
+        if rng is not None and de.tp > 1 and rng.random() < self._misroute:
+            to = rng.choice([r for r in range(de.tp) if r != rank])
+            self._api_mark(de.name, p_name)
+            self._count("misrouted-reply")
+            de.checked.append((to, data, f"handshake reply of {p_name} for rank {rank} misrouted to rank {to}"))
+        else:
+            de.replies.append((rank, data))
         self._poke(de, self.now)
+
+    # -- API-level adversity: the engine side -------------------------------------------------------
+
+    def _sent(self, de: _DEngine, rank: int, p_name: str, seq: int) -> None:
+        key = (rank, p_name)
+        if seq > de.sent_seq.get(key, 0):
+            de.sent_seq[key] = seq
+
+    @staticmethod
+    def _stale_answer(de: _DEngine, rank: int, msg: Message) -> bool:
+        """Whether `msg` answers something rank `rank` sent before its last disconnect."""
+        if isinstance(msg, HeartbeatAck | HandshakeReply):
+            seq = msg.seq
+        elif isinstance(msg, AccessDoneAck):
+            seq = msg.attempt
+        else:
+            return False
+        cut = de.cut_seq.get((rank, msg.engine_id))
+        return cut is not None and seq <= cut
+
+    def _acc_view(self, de: _DEngine, acc: Accessor) -> tuple[Any, ...]:
+        """What an accessor shows of itself: each request's state and validity, and which
+        pinner engines it is connected to."""
+        return (
+            tuple((key, acc.state_of(key), acc.valid_until(key)) for key in de.reqs),
+            tuple(acc.is_connected(name) for name in self.p),
+        )
+
+    def _d_checked(self, de: _DEngine, now: LocalTime, rank: int, data: bytes, why: str) -> None:
+        """Hand accessor rank `rank` a frame that was misdelivered to it, or that answers
+        something it sent before a disconnect, or a handshake reply delivered again: the
+        accessor must refuse it or ignore it (Rejected or nothing, and no visible change)."""
+        msg = decode(data)
+        acc = de.accessors[rank]
+        before = self._acc_view(de, acc) if self.check else None
+        if self._tracing:
+            self._trace(f"{de.name}.{rank}", "recv", f"{why}: {msg!r}")
+        self._count("stale-or-misdelivered")
+        if isinstance(msg, HandshakeReply):
+            if self.recorded is not None:
+                self._rec(acc, now, "handshake_reply", {"hex": data.hex()})
+            outs = acc.handshake_reply(now, msg)
+        else:
+            if self.recorded is not None:
+                self._rec(acc, now, "receive", {"hex": data.hex()})
+            outs = acc.receive(now, msg)
+        if self.check:
+            acted = [out for out in outs if not isinstance(out, Rejected)]
+            if acted or self._acc_view(de, acc) != before:
+                self._violate(
+                    "misdelivery-refused",
+                    f"{de.name}.{rank} acted on a {why}: {msg!r} -> {acted!r}",
+                    self._msg_lease(msg.engine_id, msg),
+                )
+        for out in outs:
+            self._d_output(de, rank, out)
+
+    def _dup_reply(self, de: _DEngine, rank: int, data: bytes, p_name: str) -> None:
+        """Deliver a handshake reply again later (perhaps after the pinner restarted), to its
+        rank or a sibling."""
+        rng = self.api_rngs["dup_reply"]
+        to = rank
+        if de.tp > 1 and rng.random() < 0.3:
+            to = rng.choice([r for r in range(de.tp) if r != rank])
+        later = self.now + rng.uniform(0.0, 2.0 * self.cfg.kv_lease_duration)
+        why = f"handshake reply of {p_name} for rank {rank}, delivered again" + (f" to rank {to}" if to != rank else "")
+        self._at(later, self._reply_again, (de, de.gen, to, data, p_name, why))
+
+    def _reply_again(self, arg: tuple[_DEngine, int, int, bytes, str, str]) -> None:
+        de, gen, to, data, p_name, why = arg
+        if not de.alive or de.gen != gen or self._cut(de.name, p_name):
+            return
+        self._count("reply-again")
+        de.checked.append((to, data, why))
+        self._poke(de, self.now)
+
+    def _api_begin(self, de: _DEngine, now: LocalTime, req: _Req, decisions: list[AccessDecision]) -> bool:
+        """Adversity as a transfer starts. False: the transport refused to post it (nothing was
+        handed over: access_failed(posted=False)); the request waits and is tried again."""
+        api = self.api
+        assert api is not None
+        rngs = self.api_rngs
+        if self._track_seq:
+            for r, dec in enumerate(decisions):
+                if dec.notification is not None:
+                    self._sent(de, r, dec.engine_id, dec.notification.attempt)
+        if api.fail_unposted and rngs["fail_unposted"].random() < api.fail_unposted:
+            self._count("failed-unposted")
+            if self._tracing:
+                self._trace(de.name, "post_failed", req.key)
+            failed = []
+            for acc in de.accessors:
+                if self.recorded is not None:
+                    self._rec(acc, now, "access_failed", {"key": req.key, "posted": False})
+                failed.append(acc.access_failed(now, req.key, posted=False))
+            for r, outs in enumerate(failed):
+                for out in outs:
+                    self._d_output(de, r, out)
+            return False
+        if api.notify and rngs["notify"].random() < api.notify:
+            req.notes = [
+                (r, dec.targets, dec.notification) for r, dec in enumerate(decisions) if dec.notification is not None
+            ]
+        if api.exact_end and not req.push and rngs["exact_end"].random() < api.exact_end:
+            ends = [dec.valid_until for dec in decisions]
+            if all(v is not None for v in ends):
+                v = min(float(e) for e in ends if e is not None)
+                clock = de.clock
+                tr = clock.real(v)
+                if req.xfer_start + self.sc.workload.transfer_base <= tr < _INF:
+                    while clock.epoch + clock.rate * tr > v:  # the real instant whose reading is at most v
+                        tr = math.nextafter(tr, -_INF)
+                    req.xfer_end = tr
+                    req.exact = v
+                    req.due = _INF  # `_exact_done` finishes it, not the engine loop
+                    self._count("exact-end")
+                    self._at(tr, self._exact_done, (de, de.gen, req))
+        return True
+
+    def _exact_done(self, arg: tuple[_DEngine, int, _Req]) -> None:
+        """The transport reports the transfer done exactly at the accessor's valid_until."""
+        de, gen, req = arg
+        if not de.alive or de.gen != gen or req not in de.transfers or req.exact is None:
+            return
+        de.transfers.remove(req)
+        clock = de.clock
+        now = clock.local(self.now)
+        if now < req.exact:
+            now = LocalTime(req.exact)
+        clock.floor = now
+        if self._tracing:
+            self._trace(de.name, "exact_end", f"{req.key} at valid_until {req.exact!r}")
+        self._transfer_done(de, now, req)
+        self._poke(de, self.now)
+
+    def _failed_after_notify(self, de: _DEngine, now: LocalTime, req: _Req) -> None:
+        """The transport reports the transfer failed after its attached notification landed:
+        access_failed(posted=True). The engine retries only if the core keeps the lease."""
+        self._count("failed-after-notify")
+        if self._tracing:
+            self._trace(de.name, "transfer_failed", f"{req.key} after its notification was delivered")
+        failed = []
+        for acc in de.accessors:
+            if self.recorded is not None:
+                self._rec(acc, now, "access_failed", {"key": req.key, "posted": True})
+            failed.append(acc.access_failed(now, req.key, posted=True))
+        for r, outs in enumerate(failed):
+            for out in outs:
+                self._d_output(de, r, out)
+        api = self.api
+        assert api is not None
+        if not req.failed and all(acc.state_of(req.key) is TrackedState.WAITING for acc in de.accessors):
+            self._count("retried-after-posted-failure")
+            de.waiting.append(req)  # the core let it retry under the same lease
+            return
+        self._fail(de, req, "transfer failed after its notification landed")
+        if api.retrack and self.api_rngs["retrack"].random() < api.retrack:
+            why = "re-track after a posted transfer failed"
+            self._track_copy(de, self._copy(req, de), "retrack-after-failed-transfer", why)
+
+    def _copy(self, req: _Req, de: _DEngine) -> _Req:
+        """Another request of decode engine `de` carrying `req`'s ticket (a fresh id: a key the
+        engine never used)."""
+        c = _Req(1_000_000 + next(self._copies), self.now, req.prompt, req.out_tokens, req.blocks, req.push)
+        c.attempt = 1
+        c.key = f"r{c.id}.1"
+        c.p, c.d, c.lease, c.ticket = req.p, de, req.lease, req.ticket
+        c.copy = True
+        return c
+
+    def _track_copy(self, de: _DEngine, c: _Req, kind: str, why: str) -> None:
+        """Track `c` (a ticket tracked before) on every rank. Refused: the engine recomputes
+        (a fresh lease). Accepted: it is served like any request, and the checks judge."""
+        lease, ticket = c.lease, c.ticket
+        if lease is None or ticket is None or not de.alive or not de.accessors:
+            return
+        lease.api = True
+        now = de.clock.local(self.now)
+        outs: list[tuple[Any, ...]] = []
+        refused = ""
+        for acc in de.accessors:
+            if self.recorded is not None:
+                self._rec(acc, now, "track", {"key": c.key, "ticket": ticket.to_dict(), "push": c.push})
+            try:
+                outs.append(acc.track(now, c.key, ticket, push=c.push))
+            except LocalProtocolError as exc:
+                refused = str(exc) or type(exc).__name__
+                break
+        if self._tracing:
+            self._trace(de.name, "retrack", f"{why}: {lease.name} as {c.key}: " + (refused or "accepted"))
+        if refused:
+            self._count(f"{kind}-refused")
+            for r in range(len(outs)):  # the ranks that did track it let it go again
+                if self.recorded is not None:
+                    self._rec(de.accessors[r], now, "untrack", {"key": c.key})
+                for out in de.accessors[r].untrack(now, c.key):
+                    self._d_output(de, r, out)
+            self._recompute(c)  # a fresh lease: prefill again
+            return
+        self._count(f"{kind}-accepted")
+        de.reqs[c.key] = c
+        de.waiting.append(c)
+        for r, rank_outs in enumerate(outs):
+            for out in rank_outs:
+                self._d_output(de, r, out)
+        self._poke(de, self.now)
+
+    def _retrack_later(self, arg: tuple[_DEngine, int, _Req]) -> None:
+        de, gen, req = arg
+        if de.alive and de.gen == gen:
+            self._track_copy(de, self._copy(req, de), "retrack-after-completion", "re-track after the read completed")
+
+    def _abort(self, arg: tuple[_DEngine, int, _Req]) -> None:
+        """The engine aborts a waiting request (untrack: its Release goes out) and, while the
+        Release is in flight, tracks the same ticket again under a new key."""
+        de, gen, req = arg
+        if (
+            not de.alive or de.gen != gen or req.failed or de.reqs.get(req.key) is not req
+            or req in de.transfers or req.key in de.running
+            or not all(acc.state_of(req.key) is TrackedState.WAITING for acc in de.accessors)
+        ):
+            return
+        now = de.clock.local(self.now)
+        self._count("abort")
+        if self._tracing:
+            self._trace(de.name, "abort", req.key)
+        released = []
+        for acc in de.accessors:
+            if self.recorded is not None:
+                self._rec(acc, now, "untrack", {"key": req.key})
+            released.append(acc.untrack(now, req.key))
+        req.failed = True
+        de.reqs.pop(req.key, None)
+        for r, outs in enumerate(released):
+            for out in outs:
+                self._d_output(de, r, out)
+        self._track_copy(de, self._copy(req, de), "retrack-after-untrack", "re-track after untrack")
+
+    def _redispatch(self, req: _Req) -> None:
+        """The router hands `req`'s ticket to a second request (a retry): on another decode
+        engine mostly, else on the same one."""
+        rng = self.api_rngs["redispatch"]
+        others = sorted(name for name in self.d if req.d is None or name != req.d.name)
+        de = self.d[rng.choice(others)] if others and rng.random() < 0.8 else req.d
+        if de is None:
+            return
+        if req.ticket is not None and de.alive and de.accessors:
+            self._track_copy(de, self._copy(req, de), "redispatch", "redispatch of a ticket still held")
+
+    def _disconnect(self, de: _DEngine) -> None:
+        """The engine gives up on one pinner engine (Accessor.disconnect on every rank); its
+        later requests there reconnect. Answers to what it sent before must confer nothing."""
+        api = self.api
+        assert api is not None
+        rng = self.api_rngs["disconnect"]
+        self._at(self.now + rng.expovariate(api.disconnect), self._disconnect, de)
+        p_name = rng.choice(sorted(self.p))
+        if not de.alive or not de.accessors:
+            return
+        now = de.clock.local(self.now)
+        self._count("disconnect")
+        if self._tracing:
+            self._trace(de.name, "disconnect", p_name)
+        outs = []
+        for r, acc in enumerate(de.accessors):
+            de.cut_seq[(r, p_name)] = de.sent_seq.get((r, p_name), 0)
+            if self.recorded is not None:
+                self._rec(acc, now, "disconnect", {"engine_id": p_name})
+            outs.append(acc.disconnect(now, p_name))
+        lost: dict[str, _Req] = {}
+        for rank_outs in outs:
+            for out in rank_outs:
+                if isinstance(out, LeaseLost) and out.key in de.reqs:
+                    lost[out.key] = de.reqs[out.key]
+        for r, rank_outs in enumerate(outs):
+            for out in rank_outs:
+                self._d_output(de, r, out)
+        if api.retrack:
+            for req in lost.values():
+                if self.api_rngs["retrack"].random() < api.retrack:
+                    self._track_copy(de, self._copy(req, de), "retrack-after-disconnect", "re-track after disconnect")
 
     # -- checks -------------------------------------------------------------------------------------
 
@@ -1609,7 +1959,7 @@ class Cluster:
     def _clean(self, lease: _Lease, end: float) -> bool:
         """Did the lease live on a fault-free path (the liveness claim's premise)?"""
         sc = self.sc
-        if sc.network.loss > 0:
+        if sc.network.loss > 0 or lease.api:
             return False
         p, d = lease.p.name, lease.d_name
         lo = lease.granted - 2 * self.cfg.kv_lease_duration
@@ -1618,7 +1968,7 @@ class Cluster:
                 continue
             if f.engine in (p, d) or f.peer in (p, d):
                 return False
-        return True
+        return not any(lo <= t <= end and d_name == d and p_name == p for t, d_name, p_name in self.api_marks)
 
     def _final_checks(self) -> None:
         end = self.sc.workload.duration

@@ -1,20 +1,37 @@
 """Deliberately broken cores, to show the fault campaign can fail.
 
-Each is a factory with the simulator's `PinnerFactory` / `AccessorFactory` signature that builds
-a real `Pinner` or `Accessor` from a *wrong* configuration — the kind of mistake an
-implementation of the protocol could make. Used by tests and by ``kvlease sim --campaign N
+Each is a factory with the simulator's `PinnerFactory` / `AccessorFactory` signature. The first
+four build a real `Pinner` or `Accessor` from a *wrong* configuration — the kind of mistake an
+implementation of the protocol could make. The others are the protocol v1 behaviour an
+adversarial review found unsafe through the public API: a subclass of the real core with one v2
+fix switched off (by overriding the private method that implements it), each caught by the
+campaign's API-level adversity (`ApiSpec`). Used by tests and by ``kvlease sim --campaign N
 --inject-bug NAME``; never by anything else. Pure, like the rest of the simulator.
 """
 
 from __future__ import annotations
 
-from .._accessor import Accessor
+import math
+from collections.abc import Iterable
+
+import attrs
+
+from .._accessor import Accessor, _PinnerEngine
+from .._clock import LocalTime
 from .._config import MIN_VALIDITY_MARGIN, LeaseConfig
-from .._pinner import Pinner
+from .._events import AccessorOutput, PinnerOutput
+from .._messages import AccessDone, AccessDoneAck, HandshakeReply, Heartbeat, HeartbeatAck, Message, Release
+from .._pinner import LeaseState, Pinner, _Lease
 from ._cluster import AccessorFactory, PinnerFactory
 
 __all__ = [
     "BUGS",
+    "ForgetfulAccessor",
+    "NoBindingPinner",
+    "NoRankCheckPinner",
+    "RenewAtExpiryPinner",
+    "RetryAfterPostedFailureAccessor",
+    "UnboundRepliesAccessor",
     "long_lease_pinner",
     "no_drift_margin_accessor",
     "overstated_extension_accessor",
@@ -49,10 +66,124 @@ def no_drift_margin_accessor(config: LeaseConfig, engine_id: str, rank: int, ran
     return Accessor(wrong, engine_id, session=session, rank=rank, ranks=ranks)
 
 
+# -- protocol v1 behaviour, one v2 fix off each ------------------------------------------------
+
+
+class ForgetfulAccessor(Accessor):
+    """v1: forgets the leases it gave up, so a ticket tracked before is accepted again (after
+    untrack, completion, loss or a failed transfer) while a message about the first tracking
+    may still be in flight — or after the pinner counted that tracking's access-done, whose
+    tombstone then confirms the second tracking's read of freed memory."""
+
+    def _retire(self, rkey: tuple[str, int, int]) -> None:
+        return
+
+
+class UnboundRepliesAccessor(Accessor):
+    """v1: trusts a reply whatever it is bound to: a handshake reply that answers none of its
+    outstanding handshakes (a duplicate, a stale one from before a restart, one for a sibling
+    rank), and acks and verdicts addressed to another rank or session, or (verdicts) to another
+    access attempt."""
+
+    def handshake_reply(self, now: LocalTime, reply: HandshakeReply) -> tuple[AccessorOutput, ...]:
+        reply = attrs.evolve(reply, to_rank=self.rank, to_session=self.session)
+        eng = self._engines.get(reply.engine_id)
+        if eng is None:
+            eng = self._engines[reply.engine_id] = _PinnerEngine(reply.engine_id, self.config, reply.ranks)
+        if eng.handshakes.get(reply.seq) != reply.t_echo:
+            eng.handshakes[reply.seq] = reply.t_echo  # as if it answered one of ours
+        return super().handshake_reply(now, reply)
+
+    def receive(self, now: LocalTime, message: Message) -> tuple[AccessorOutput, ...]:
+        if isinstance(message, HeartbeatAck):
+            message = attrs.evolve(message, to_rank=self.rank, to_session=self.session)
+        elif isinstance(message, AccessDoneAck):
+            eng = self._engines.get(message.engine_id)
+            t = None if eng is None else eng.leases.get((message.incarnation, message.lease_id))
+            attempt = message.attempt if t is None else t.attempt
+            message = attrs.evolve(message, to_rank=self.rank, to_session=self.session, attempt=attempt)
+        return super().receive(now, message)
+
+
+class RetryAfterPostedFailureAccessor(Accessor):
+    """v1: a failed transfer puts the lease back to WAITING even when it was posted, so the
+    engine retries under a lease its attached notification may already have ended."""
+
+    def access_failed(self, now: LocalTime, key: str, *, posted: bool = True) -> tuple[AccessorOutput, ...]:
+        return super().access_failed(now, key, posted=False)
+
+
+class NoRankCheckPinner(Pinner):
+    """v1: no layout check: a heartbeat, access-done or release from an accessor rank that does
+    not access this pinner rank (the right engine, the wrong rank) is honoured."""
+
+    def _layout_rejection(self, engine_id: str, what: str, rank: int, ranks: int) -> None:
+        return None
+
+
+class NoBindingPinner(Pinner):
+    """v1: no lease binding: any accessor (another engine, another session) that names a lease
+    renews it, and its access-done or release ends it."""
+
+    def _bound_elsewhere(self, lease: _Lease, engine_id: str, rank: int, session: int) -> bool:
+        return False
+
+    def _renew(
+        self, now: LocalTime, incarnation: int, lease_ids: Iterable[int], engine_id: str, rank: int, session: int
+    ) -> tuple[int, list[int], list[int], list[int], list[int], int]:
+        ids = list(lease_ids)
+        if incarnation == self.incarnation:
+            for lease_id in ids:
+                lease = self._leases.get(lease_id)
+                if lease is not None:  # forget who it is bound to: whoever renews it now owns it
+                    lease.accessor = None
+                    lease.sessions = None
+        return super()._renew(now, incarnation, ids, engine_id, rank, session)
+
+
+class RenewAtExpiryPinner(Pinner):
+    """v1: a lease whose expiry has come (now >= expiry) but that handle_timeout has not freed
+    yet is still live for messages: a heartbeat renews it, an access-done is counted OK, a
+    release ends it."""
+
+    def receive(self, now: LocalTime, message: Message) -> tuple[PinnerOutput, ...]:
+        ids: tuple[int, ...] = ()
+        if isinstance(message, Heartbeat | Release) and message.incarnation == self.incarnation:
+            ids = message.lease_ids
+        elif isinstance(message, AccessDone) and message.incarnation == self.incarnation:
+            ids = (message.lease_id,)
+        for lease_id in ids:
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.state is not LeaseState.QUARANTINED and lease.expiry <= now:
+                lease.expiry = math.nextafter(float(now), math.inf)  # not expired yet, v1 says
+        return super().receive(now, message)
+
+
+def _pinner(cls: type[Pinner]) -> PinnerFactory:
+    def factory(config: LeaseConfig, engine_id: str, incarnation: int, rank: int, ranks: int) -> Pinner:
+        return cls(config, engine_id, incarnation, rank=rank, ranks=ranks)
+
+    return factory
+
+
+def _accessor(cls: type[Accessor]) -> AccessorFactory:
+    def factory(config: LeaseConfig, engine_id: str, rank: int, ranks: int, session: int) -> Accessor:
+        return cls(config, engine_id, session=session, rank=rank, ranks=ranks)
+
+    return factory
+
+
 #: name -> (pinner factory, accessor factory); None keeps the real one.
 BUGS: dict[str, tuple[PinnerFactory | None, AccessorFactory | None]] = {
     "short-lease": (short_lease_pinner, None),
     "long-lease": (long_lease_pinner, None),
     "overstated-extension": (None, overstated_extension_accessor),
     "no-drift-margin": (None, no_drift_margin_accessor),
+    # Protocol v1 behaviour, caught by the API-level adversity:
+    "retrack-accepted": (None, _accessor(ForgetfulAccessor)),
+    "unbound-replies": (None, _accessor(UnboundRepliesAccessor)),
+    "retry-posted-failure": (None, _accessor(RetryAfterPostedFailureAccessor)),
+    "no-rank-check": (_pinner(NoRankCheckPinner), None),
+    "no-binding": (_pinner(NoBindingPinner), None),
+    "renew-at-expiry": (_pinner(RenewAtExpiryPinner), None),
 }

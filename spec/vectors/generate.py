@@ -77,7 +77,7 @@ class Recorder:
         resp = self.impl.call(req)
         if resp["ok"]:
             expect = {"ok": True, "result": resp["result"], "outputs": resp["outputs"],
-                      "next_deadline": resp["next_deadline"]}
+                      "next_deadline": resp["next_deadline"], "next_work": self.next_work(ep)}
         else:
             expect = {"ok": False, "error": {k: v for k, v in resp["error"].items()
                                              if k in ("class", "category")}}
@@ -86,6 +86,23 @@ class Recorder:
             rec["note"] = note
         self.steps.append(rec)
         return resp
+
+    def next_work(self, ep: str) -> float | None:
+        """When `ep` next has work if nothing else arrives: the first instant at which
+        handle_timeout, called at each successive reference deadline, has an output. A
+        conforming next_deadline is never later than this (the reference's own may be earlier:
+        its timers are lazy)."""
+        import copy
+
+        probe = copy.deepcopy(self.impl._endpoints[ep])
+        for _ in range(10_000):
+            nd = probe.next_deadline()
+            if nd is None:
+                return None
+            at = max(nd, probe._now)  # overdue work is due now
+            if probe.handle_timeout(at):
+                return float(at)
+        raise AssertionError(f"{ep}: no work found along 10,000 deadlines")
 
     def deliver(self, ep: str, out: dict[str, Any], note: str = "") -> dict[str, Any]:
         return self.step(ep, "receive", note, hex=out["hex"])
@@ -349,8 +366,9 @@ def fixed_ttl_bidirectional() -> Recorder:
                  "the prefiller under a fixed TTL (20 s) stated in the decoder's clock. The "
                  "prefiller's clock is ~54,000 s apart; it converts the deadline with the "
                  "handshake offset, taking the error bound (half the round-trip delay) and the "
-                 "drift factor (1-rho)/(1+rho) against itself, minus the margin. Heartbeats are "
-                 "acknowledged but never extend a fixed lease. req-2 runs out: the accessor gives "
+                 "drift factor (1-rho)/(1+rho) against itself, minus the margin, once an acknowledged "
+                 "heartbeat round showed the lease is still held for it. Heartbeats are acknowledged "
+                 "but never extend a fixed lease. req-2 runs out: the accessor gives "
                  "it up before the pinner frees it.",
                  BASE, {"D": pinner("decode-0", 0x5EED0007), "P": accessor("prefill-0")},
                  {"D": 60000.0, "P": 5800.5})
@@ -363,6 +381,12 @@ def fixed_ttl_bidirectional() -> Recorder:
     # the 0.15 s error bound (delay / 2).
     reply = r.at(1.1).step("D", "handshake", hex=hs["hex"])
     r.at(1.3).step("P", "handshake_reply", hex=reply["result"]["hex"])
+    early = r.at(1.3).step("P", "begin_access", key="turn1-a", note="no acknowledged heartbeat yet: the "
+                           "deadline alone does not prove the lease is still held for us")["result"]
+    assert early["allowed"] and not early["guaranteed"] and early["valid_until"] is None
+    r.at(1.3).step("P", "access_failed", key="turn1-a", posted=False)
+    acks = heartbeat_round(r, "P", ["D"], 1.4)
+    assert all(a["outputs"] == [] for a in acks)
     dec = r.at(2.0).step("P", "begin_access", key="turn1-a")["result"]
     true_deadline = r.local("P", 20.0)
     assert dec["allowed"] and dec["guaranteed"] and dec["valid_until"] < true_deadline - BASE.validity_margin
@@ -761,9 +785,10 @@ def handshake_binding() -> Recorder:
     assert r.at(1.3).step("A", "handshake_reply", hex=reply_a, note="the reply to A's first handshake")[
         "outputs"] == []
     assert r.at(1.4).step("A", "handshake_reply", hex=reply_a, note="a duplicate")["outputs"] == []
-    dec = r.at(1.5).step("A", "begin_access", key="turn1")["result"]
+    heartbeat_round(r, "A", ["P"], 1.45)
+    dec = r.at(1.96).step("A", "begin_access", key="turn1")["result"]
     assert dec["allowed"] and dec["guaranteed"]
-    r.at(1.5).step("A", "access_failed", key="turn1", posted=False)
+    r.at(1.96).step("A", "access_failed", key="turn1", posted=False)
     # P restarts as P2; A learns of a lease of the new incarnation.
     t2 = r.at(2.0).step("P2", "grant", key="req-2")["result"]
     hs3 = only(r.at(2.0).step("A", "track", key="new", ticket=t2), "HandshakeNeeded")
