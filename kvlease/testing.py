@@ -284,12 +284,14 @@ class Pair:
         self._check_push_write(rec, begin, self.real)
         self._accessor_outputs(self.accessor.access_finished(self.now_a, key))
 
-    def fail_access(self, key: str) -> None:
+    def fail_access(self, key: str, *, posted: bool = True) -> None:
+        """The transfer failed; `posted`: it had been handed to the transport (see
+        `Accessor.access_failed`)."""
         rec = self.record(key)
         begin = self._open_access.pop(key)
         rec.accesses[-1] = (begin, self.real)
         self._check_push_write(rec, begin, self.real)
-        self._accessor_outputs(self.accessor.access_failed(self.now_a, key))
+        self._accessor_outputs(self.accessor.access_failed(self.now_a, key, posted=posted))
 
     def untrack(self, key: str) -> None:
         self._accessor_outputs(self.accessor.untrack(self.now_a, key))

@@ -195,7 +195,11 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
     pinner = None
     if role in ("pinner", "both"):
         pinner = kvlease.Pinner(lease_cfg, engine_id, incarnation, rank=rank, ranks=ranks)
-    accessor = kvlease.Accessor(lease_cfg, engine_id, session=new_session(), rank=rank, ranks=ranks) if role in ("accessor", "both") else None
+    accessor = (
+        kvlease.Accessor(lease_cfg, engine_id, session=new_session(), rank=rank, ranks=ranks)
+        if role in ("accessor", "both")
+        else None
+    )
     driver = Driver(transport, pinner=pinner, accessor=accessor, **config.get("driver", {}))
     regions: dict[str, Any] = {}  # pinner: key -> buffer
     reads: dict[str, Any] = {}  # accessor: key -> destination buffer

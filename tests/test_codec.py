@@ -325,11 +325,6 @@ def test_encode_refuses_non_messages() -> None:
         encode("hello")  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: encode accepts id lists longer than MAX_IDS (2**17) and frames over MAX_DECODE_BYTES, "
-    "which decode refuses; the codec promises encode refuses exactly what decode refuses",
-)
 @pytest.mark.parametrize("shape", ["too-many-ids", "too-many-bytes"])
 def test_encode_refuses_what_decode_would_refuse_for_size(shape: str) -> None:
     # One byte each: a small frame, but too many ids; or 9 bytes each: over 1 MiB.
@@ -343,7 +338,7 @@ def test_encode_refuses_what_decode_would_refuse_for_size(shape: str) -> None:
 
 
 def test_size_limits_of_decode_hold() -> None:
-    """What the xfail above relies on: decode does refuse those frames."""
+    """What the test above relies on: decode does refuse those frames."""
     with pytest.raises(DecodeError, match=r"max_array_len|malformed"):
         decode(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * (MAX_IDS + 1)]))
     big = _frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1 << 40] * (MAX_IDS - 1)])

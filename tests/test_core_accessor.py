@@ -1044,13 +1044,18 @@ def test_fixed_ttl_validity_never_outlives_the_pinner_deadline(
         )
 
 
-def test_fixed_ttl_lease_is_valid_from_the_handshake_and_lapses_at_the_deadline() -> None:
+def test_fixed_ttl_lease_is_valid_after_one_acknowledged_round_and_lapses_at_the_deadline() -> None:
     w = Wire()
     tk = w.connect("f", kind=LeaseKind.FIXED_TTL)
+    # The deadline alone does not prove the lease is still held for this accessor (another
+    # process may have completed it): no validity before an acknowledged round.
+    assert w.acc.valid_until("f") is None
+    assert not w.acc.begin_access(_a(0), "f").guaranteed
+    w.acc.access_failed(_a(0), "f", posted=False)
+    w.heartbeat()
     v = w.acc.valid_until("f")
     assert v is not None and v <= A_EPOCH + CFG.decoder_kv_blocks_ttl
     assert v == pytest.approx(A_EPOCH + CFG.decoder_kv_blocks_ttl - CFG.validity_margin, abs=0.1)
-    w.heartbeat()
     info = w.pinner.info(tk.lease_id)
     assert info is not None and info.expiry == P_EPOCH + CFG.decoder_kv_blocks_ttl  # never extended
     out = [o for o in w.acc.handle_timeout(v) if not isinstance(o, Send)]
@@ -1091,6 +1096,7 @@ def test_disconnect_while_confirming_is_stale() -> None:
 def test_fixed_ttl_access_inside_the_converted_deadline_completes() -> None:
     w = Wire()
     tk = w.connect("f", kind=LeaseKind.FIXED_TTL)
+    w.heartbeat()
     assert w.acc.begin_access(_a(1.0), "f").guaranteed
     out = w.acc.access_finished(_a(1.5), "f")
     assert out[-1] == AccessCompleted("f", tk.lease_id, confirmed_by_pinner=False)

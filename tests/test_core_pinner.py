@@ -769,11 +769,6 @@ def test_lease_ids_are_exhausted_at_the_largest_uint64() -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: Pinner.grant sets the next id before check_time(expiry) refuses the grant, so a "
-    "refused grant burns an id (and at 2**64-1 exhausts the incarnation without issuing a lease)",
-)
 def test_a_grant_refused_for_its_expiry_consumes_no_id() -> None:
     p = Pinner(CFG, "prefill-0", INC)
     late = LocalTime(MAX_TIME - 1.0)  # expiry would lie beyond 2**32
@@ -782,11 +777,6 @@ def test_a_grant_refused_for_its_expiry_consumes_no_id() -> None:
     assert p.grant(late, "k", kind=LeaseKind.FIXED_TTL, ttl=0.5).lease_id == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: Pinner accepts bool as a uint64 (incarnation=True, grant(lease_id=True) when the next "
-    "id is 1); the codec and LeaseTicket.from_dict refuse bools, so the reply/ticket cannot travel",
-)
 @pytest.mark.parametrize("where", ["incarnation", "lease_id"])
 def test_bools_are_not_integers_to_the_pinner(where: str) -> None:
     with pytest.raises(LocalProtocolError):
