@@ -750,6 +750,9 @@ class Accessor:
     def _lose(self, t: _Tracked, reason: LostReason) -> tuple[AccessorOutput, ...]:
         if t.state is TrackedState.ACCESSING:
             t.state = TrackedState.LOST  # reported stale when the access finishes
+            # Given up now, not when the access ends: its engine may be forgotten meanwhile
+            # (disconnect), and its attached access-done may still land.
+            self._retire((t.engine.engine_id, t.incarnation, t.lease_id))
             return (LeaseLost(t.key, t.lease_id, reason),)
         if t.state is TrackedState.LOST:
             return ()

@@ -197,13 +197,6 @@ def test_misrouted_acks_to_a_sibling_with_an_equal_clock_are_refused() -> None:
     assert unbound.receive(LocalTime(2.1), ack0.message) == () and unbound.valid_until("k") is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: Accessor.disconnect forgets an engine whose access is still in flight without "
-    "retiring the lease, so track() accepts the same ticket again (campaign seed 330: the old "
-    "attempt's attached notification ends the lease under the new tracking, whose read the "
-    "pinner's tombstone then confirms)",
-)
 def test_a_retrack_after_disconnect_with_the_access_in_flight_is_refused() -> None:
     cfg = LeaseConfig(kv_lease_duration=6.0)
     p = Pinner(cfg, "P", 5)

@@ -4,7 +4,9 @@ Only time and the network are simulated: every prefill worker holds a real `kvle
 every decode worker a real `kvlease.Accessor`, and every message goes through `encode`/`decode`.
 Used for the policy comparison (`kvlease sim`: fixed 480 s and 30 s timeouts against lease
 renewal) and for the fault campaign (`kvlease sim --campaign N`), which checks the protocol's
-safety and liveness claims on thousands of small adversarial seeds.
+safety and liveness claims on thousands of small adversarial seeds — network faults (loss,
+delay, partitions, crashes, drift) and, in about half the seeds, API-level adversity (`ApiSpec`:
+what an engine can do through the API at the worst moment).
 
 Pure like the rest of the core: virtual time only, no clock, no I/O, no threads; matplotlib and
 rich are used only by the CLI (`kvlease/cli/_sim.py`).
@@ -25,6 +27,7 @@ from ._campaign import (
 from ._cluster import AccessorFactory, Cluster, PinnerFactory, RunResult, Violation
 from ._doubles import BUGS
 from ._scenario import (
+    ApiSpec,
     EngineSpec,
     Fault,
     FaultKind,
@@ -40,6 +43,7 @@ __all__ = [
     "BUGS",
     "TRACE_FORMAT",
     "AccessorFactory",
+    "ApiSpec",
     "CampaignFailure",
     "CampaignReport",
     "Cluster",

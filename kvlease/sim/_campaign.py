@@ -8,7 +8,12 @@ self-describing conformance-vector candidate that replays with `kvlease sim --re
 The claims (spec/PROTOCOL.md) checked after every seed: no access overlaps a free in real time
 (push writes), no stale read is reported done, at most one free per lease and rank, a lease whose
 heartbeats stopped is freed within extension (+ the pinner's step, + delay, + push guard) of the
-last heartbeat sent, and a live connected accessor on a fault-free path never loses a lease.
+last heartbeat sent, and a live connected accessor on a fault-free path never loses a lease. Two
+more for the API-level adversity (`ApiSpec`): a message delivered to a rank it was not addressed
+to, a handshake reply delivered again, or an answer to something sent before a disconnect confers
+nothing (``misdelivery-refused``: the core refuses or ignores it, and nothing visible changes);
+and no message renews, counts or frees a lease whose expiry has come (``overdue-lease-not-renewed``:
+at pinner time now >= expiry the lease is expired even before handle_timeout frees it).
 
 Pure: no clock, no I/O; the CLI writes files and draws the progress bar.
 """

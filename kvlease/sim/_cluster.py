@@ -108,7 +108,7 @@ class RunResult:
     timeline: list[tuple[float, float]] = attrs.field(factory=list)
     violations: list[Violation] = attrs.field(factory=list)
     trace: list[tuple[float, str, str, str]] | None = None
-    #: API-level adversity that happened (`Scenario.api`), by kind: e.g. ``retrack-refused``.
+    #: API-level adversity that happened (`Scenario.api`), by kind: e.g. ``retrack-after-untrack-refused``.
     api: dict[str, int] = attrs.field(factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -369,6 +369,15 @@ class Cluster:
     broken doubles to show the checks can fail). With `check=True` every safety and liveness
     claim is checked as the run goes and violations are collected; `trace=True` records an
     event trace (slower) for the campaign's minimized reports.
+
+    With `scenario.api` (kvlease policy only) the engines and their transport also misuse the
+    API at the worst moment: re-track a ticket after untrack, completion, disconnect or a failed
+    transfer, hand a ticket to a second request, deliver a transfer's attached notification and
+    then report the transfer failed (or fail before posting and retry), misroute messages and
+    handshake replies to a sibling rank of the right engine, deliver replies again later,
+    disconnect, end a transfer exactly at valid_until and have a pinner handle a message exactly
+    at a lease's expiry. Each draws from its own random stream (`api_rngs`), so the scenario
+    without it runs exactly as before and one switched off leaves the others' draws alone.
     """
 
     def __init__(
@@ -1781,7 +1790,7 @@ class Cluster:
             now = LocalTime(req.exact)
         clock.floor = now
         if self._tracing:
-            self._trace(de.name, "exact_end", f"{req.key} at valid_until {req.exact!r}")
+            self._trace(de.name, "exact_end", f"{req.key} at valid_until {req.exact!r} (reading {float(now)!r})")
         self._transfer_done(de, now, req)
         self._poke(de, self.now)
 
@@ -1911,6 +1920,7 @@ class Cluster:
             return
         now = de.clock.local(self.now)
         self._count("disconnect")
+        self._api_mark(de.name, p_name)  # its leases there are lost (or confirmations given up)
         if self._tracing:
             self._trace(de.name, "disconnect", p_name)
         outs = []
