@@ -118,7 +118,7 @@ def bench_size(n: int, cfg: LeaseConfig) -> dict[str, float]:
     ids = sorted(pinner.live_ids())
     budget = heartbeat_id_budget(cfg.max_message_bytes, "decode-0", "prefill-0")
     chunks = split_ids(ids, budget)
-    hbs = [Heartbeat("decode-0", 0, 1, i, LocalTime(1.0), c) for i, c in enumerate(chunks)]
+    hbs = [Heartbeat("decode-0", 0, 1, 0xD, 1, i, LocalTime(1.0), c) for i, c in enumerate(chunks)]
     res["hb_bytes_kv"] = sum(len(encode(h)) for h in hbs) / n
     res["hb_max_msg_kv"] = max(len(encode(h)) for h in hbs)
     # vLLM: b"HB:" + b",".join(ids), one message per engine per interval (no size bound).

@@ -68,7 +68,7 @@ def bench_round_trip(n: int, burst: int) -> dict[str, float]:
         # The side channel first (it tells the transport where P's workers are).
         from kvlease import PROTOCOL_VERSION, Handshake, HandshakeReply
 
-        hs = Handshake("D", 0, 1, PROTOCOL_VERSION, 7, LocalTime(time.monotonic()))
+        hs = Handshake("D", 0, 1, 7, PROTOCOL_VERSION, 7, 1, LocalTime(time.monotonic()))
         t.request_handshake("P", address, encode(hs))
         reply = None
         while reply is None:
@@ -84,7 +84,7 @@ def bench_round_trip(n: int, burst: int) -> dict[str, float]:
         def hb() -> bytes:
             nonlocal seq
             seq += 1
-            return encode(Heartbeat("D", 0, inc, seq, LocalTime(time.monotonic()), lease_ids))
+            return encode(Heartbeat("D", 0, 1, 7, inc, seq, LocalTime(time.monotonic()), lease_ids))
 
         for _ in range(200):  # warm up
             t.send("P", None, hb())

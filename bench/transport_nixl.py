@@ -146,7 +146,7 @@ def bench_notifications(rtt_n: int, flood_n: int) -> dict[str, float]:
         while not any(isinstance(e, HandshakeResponse) for e in tr.poll_handshakes()):
             tr.progress()
             time.sleep(0.001)
-        frame = encode(Heartbeat("bench-client", 0, 7, 1, LocalTime(0.0), tuple(range(1, 9))))
+        frame = encode(Heartbeat("bench-client", 0, 1, 1, 7, 1, LocalTime(0.0), tuple(range(1, 9))))
         rtts: list[float] = []
         for i in range(rtt_n + 50):
             t0 = time.perf_counter()

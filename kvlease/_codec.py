@@ -183,7 +183,8 @@ def split_ids(ids: Sequence[int], budget: int) -> list[tuple[int, ...]]:
     A chunk's cost is ``5 + size(first) + sum(size(id - first) for the other ids)``, with
     ``size`` the msgpack size of an unsigned integer (1, 2, 3, 5 or 9 bytes); it bounds the
     encoded list in a heartbeat and the four lists of the ack answering it. An id joins the
-    current chunk while the cost stays within `budget`; otherwise it opens the next chunk.
+    current chunk while the cost stays within `budget` and the chunk holds fewer than 2**17
+    ids (what a decoder accepts in one list); otherwise it opens the next chunk.
     """
     if budget < MIN_ID_BUDGET:
         raise EncodeError(f"id budget of {budget} bytes is too small (need >= {MIN_ID_BUDGET})")
@@ -197,7 +198,7 @@ def split_ids(ids: Sequence[int], budget: int) -> list[tuple[int, ...]]:
             size = 5 + uint_size(v)
             continue
         cost = uint_size(v - first)
-        if size + cost > budget:
+        if size + cost > budget or i - start >= MAX_IDS:
             chunks.append(tuple(ids[start:i]))
             start = i
             first = v

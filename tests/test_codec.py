@@ -620,3 +620,13 @@ def test_split_heartbeats_fill_the_message_reasonably() -> None:
         chunks = split_ids(ids, budget)
         assert all(_cost(c) >= budget - 9 for c in chunks[:-1])
         assert all(len(encode(_worst_heartbeat("decode-0", c))) <= mmb for c in chunks)
+
+
+def test_a_huge_budget_still_splits_at_the_decoders_list_bound() -> None:
+    """The split rule bounds bytes, and ids too: a chunk never holds more than a decoder
+    accepts in one list (2**17), so every heartbeat it makes encodes."""
+    ids = tuple(range(1, 300_001))
+    chunks = split_ids(ids, 600_000)
+    assert [len(c) for c in chunks] == [MAX_IDS, MAX_IDS, 300_000 - 2 * MAX_IDS]
+    for c in chunks:
+        assert decode(encode(Heartbeat("d", 0, 1, 0, 0, 1, LocalTime(1.0), c))).lease_ids == c  # type: ignore[union-attr]
