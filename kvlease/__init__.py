@@ -6,6 +6,7 @@ engine adapters (`kvlease.adapters`) load only when imported, behind extras.
 """
 
 from ._accessor import AccessDecision, Accessor, TrackedState
+from ._auth import MAC_BYTES, FrameAuth, is_sealed_frame
 from ._clock import MAX_TIME, ClockOffsetEstimator, ClockSample, LocalTime, OffsetEstimate, PeerTime
 from ._codec import decode, encode, is_native_frame, split_ids
 from ._config import MIN_MESSAGE_BYTES, MIN_VALIDITY_MARGIN, LeaseConfig
@@ -54,6 +55,7 @@ from ._vllm_compat import VllmAccessDone, VllmHeartbeat, decode_vllm, encode_vll
 __version__ = "0.1.0"
 
 __all__ = [
+    "MAC_BYTES",
     "MAX_RANKS",
     "MAX_TIME",
     "MIN_MESSAGE_BYTES",
@@ -74,6 +76,7 @@ __all__ = [
     "DecodeError",
     "EncodeError",
     "EndReason",
+    "FrameAuth",
     "Free",
     "Handshake",
     "HandshakeNeeded",
@@ -113,6 +116,7 @@ __all__ = [
     "encode_vllm_done",
     "encode_vllm_heartbeat",
     "is_native_frame",
+    "is_sealed_frame",
     "split_ids",
     "tp_layout",
 ]

@@ -181,7 +181,7 @@ class Accessor:
             raise LocalProtocolError(f"session must be a uint64, got {session!r}")
         if type(rank) is not int or type(ranks) is not int or not 0 <= rank < ranks <= MAX_RANKS:
             raise LocalProtocolError(f"need 0 <= rank < ranks <= {MAX_RANKS}, got rank={rank!r} ranks={ranks!r}")
-        budget = heartbeat_id_budget(config.max_message_bytes, engine_id, "")
+        budget = heartbeat_id_budget(config.max_message_bytes - config.frame_overhead, engine_id, "")
         if budget < MIN_ID_BUDGET:
             need = config.max_message_bytes - budget + MIN_ID_BUDGET
             raise ConfigError(
@@ -539,7 +539,8 @@ class Accessor:
         eng.ranks = reply.ranks
         # Honour the pinner's bound too (some NIXL backends cap notifications near 256 B).
         eng.max_message_bytes = min(self.config.max_message_bytes, reply.max_message_bytes)
-        if heartbeat_id_budget(eng.max_message_bytes, self.engine_id, reply.engine_id) < MIN_ID_BUDGET:
+        room = eng.max_message_bytes - self.config.frame_overhead
+        if heartbeat_id_budget(room, self.engine_id, reply.engine_id) < MIN_ID_BUDGET:
             eng.connected = False
             why = (
                 f"max_message_bytes={eng.max_message_bytes} leaves no room for lease ids between "
@@ -715,7 +716,7 @@ class Accessor:
 
     def _send_heartbeats(self, now: float, eng: _PinnerEngine, ids: list[int], out: list[AccessorOutput]) -> None:
         assert eng.incarnation is not None
-        budget = heartbeat_id_budget(eng.max_message_bytes, self.engine_id, eng.engine_id)
+        budget = heartbeat_id_budget(eng.max_message_bytes - self.config.frame_overhead, self.engine_id, eng.engine_id)
         # Forget rounds that can no longer extend anything, and bound the rest.
         horizon = now - self.config.accessor_extension
         while eng.outstanding and (

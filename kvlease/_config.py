@@ -42,6 +42,21 @@ def _int_range(lo: int, hi: int) -> Any:
     return check
 
 
+def _key_sources() -> Any:
+    def check(inst: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
+        ok = isinstance(value, tuple) and len(value) <= 2 and all(
+            isinstance(v, str) and (v.startswith("env:") or v.startswith("file:")) and len(v) > v.index(":") + 1
+            for v in value
+        )
+        if not ok:
+            raise ConfigError(
+                attribute.name, value,
+                "a tuple of at most two key sources, 'env:VARIABLE' or 'file:PATH' (the first signs, both verify)",
+            )
+
+    return check
+
+
 def _boolean() -> Any:
     def check(inst: object, attribute: attrs.Attribute[bool], value: bool) -> None:
         if not isinstance(value, bool):
@@ -89,6 +104,16 @@ class LeaseConfig:
     #: Keep a request-id index on the pinner so stock vLLM ``HB:``/``id:count`` notifications
     #: can be understood. Costs one dict entry per live lease.
     vllm_compat: bool = attrs.field(default=False, validator=_boolean())
+    #: Where the deployment key lives, when native messages are authenticated: ``()`` (off, the
+    #: default), or one or two sources, each ``"env:VARIABLE"`` or ``"file:PATH"`` holding the
+    #: key as at least 32 hex digits. The first key seals what this endpoint sends; every listed
+    #: key opens what it receives (a rotation lists the new key and the old one). The key itself
+    #: never enters this object, a repr or a log line; the driver reads it at start-up.
+    auth_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_key_sources())
+    #: With `auth_keys` set, also accept stock vLLM ``HB:`` / ``id:count`` notifications, which
+    #: cannot be authenticated (anyone who can reach the pinner can then renew or end a lease
+    #: by request id). Off by default.
+    auth_allow_vllm_compat: bool = attrs.field(default=False, validator=_boolean())
 
     def __attrs_post_init__(self) -> None:
         if self.accessor_extension <= 0.0:
@@ -98,6 +123,16 @@ class LeaseConfig:
                 f"less than the drift-adjusted extension ({self.lease_extension:.6g} s) so that "
                 "an acknowledged heartbeat gives the accessor a non-empty validity window",
             )
+
+    @property
+    def authenticated(self) -> bool:
+        """Native messages are sealed with a deployment key (`auth_keys` is set)."""
+        return bool(self.auth_keys)
+
+    @property
+    def frame_overhead(self) -> int:
+        """Bytes a sealed frame adds to an encoded message (its tag), 0 without a key."""
+        return 16 if self.auth_keys else 0
 
     @property
     def heartbeat_interval(self) -> float:

@@ -80,8 +80,8 @@ class _Lease:
     """One live lease. Plain slots class: it exists a million times over."""
 
     __slots__ = (
-        "accessor", "done", "expected", "expiry", "key", "kind", "lease_id", "promised", "push", "released", "sessions",
-        "state",
+        "accessor", "b_rank", "b_seq", "b_session", "done", "expected", "expiry", "key", "kind", "lease_id", "more",
+        "promised", "push", "released", "state",
     )
 
     def __init__(
@@ -100,9 +100,16 @@ class _Lease:
         self.promised = kind is _FIXED_TTL
         self.released = False  # ends as RELEASED rather than EXPIRED
         # Binding: the accessor engine, and each of its ranks' session, that first spoke for
-        # this lease (renewal, access-done or release). Nobody else may renew or end it.
+        # this lease (renewal, access-done or release). Nobody else may renew or end it. The
+        # first rank is kept in slots (the common case: one accessor rank per pinner rank),
+        # further ranks (fewer pinner than accessor ranks) in `more`: rank -> [session, seq].
+        # The seq is the highest heartbeat seq of that session that extended the lease: an
+        # older or replayed heartbeat is acknowledged but extends nothing.
         self.accessor: str | None = None
-        self.sessions: dict[int, int] | None = None
+        self.b_rank = -1
+        self.b_session = 0
+        self.b_seq = 0
+        self.more: dict[int, list[int]] | None = None
 
 
 class _Tombstone:
@@ -171,7 +178,7 @@ class Pinner:
             raise LocalProtocolError(f"incarnation must be a uint64, got {incarnation!r}")
         if type(rank) is not int or type(ranks) is not int or not 0 <= rank < ranks <= _MAX_RANK:
             raise LocalProtocolError(f"need 0 <= rank < ranks <= {_MAX_RANK}, got rank={rank} ranks={ranks}")
-        budget = heartbeat_id_budget(config.max_message_bytes, "", engine_id)
+        budget = heartbeat_id_budget(config.max_message_bytes - config.frame_overhead, "", engine_id)
         if budget < MIN_ID_BUDGET:
             need = config.max_message_bytes - budget + MIN_ID_BUDGET
             raise ConfigError(
@@ -251,6 +258,7 @@ class Pinner:
         expected: int | None = None,
         ttl: float | None = None,
         lease_id: int | None = None,
+        accessor: str | None = None,
     ) -> LeaseTicket:
         """Pin `key`'s memory under a new lease and return the ticket the accessor needs.
 
@@ -260,7 +268,10 @@ class Pinner:
         fixes how many accessor ranks must report done (default: as the accessor's layout
         says). `lease_id` lets a scheduler that fans a grant out to several workers use one
         id for all; ids only increase on one pinner incarnation (an id is never reused, so a
-        late message about an old lease can never touch a new one).
+        late message about an old lease can never touch a new one). `accessor`: the accessor
+        engine the router already picked, when it is known at grant; the lease is then bound to
+        it from the start (otherwise to the first accessor that renews, completes or releases
+        it), and no other engine can renew or end it.
         """
         self._check_now(now)
         if kind is _RENEWABLE and ttl is None:
@@ -271,6 +282,8 @@ class Pinner:
             raise LocalProtocolError("ttl is only for FIXED_TTL leases")
         if not isinstance(duration, int | float) or isinstance(duration, bool) or not 0.0 < duration < _INF:
             raise LocalProtocolError(f"lease duration must be positive and finite, got {duration!r}")
+        if accessor is not None and (type(accessor) is not str or not accessor):
+            raise LocalProtocolError(f"accessor must be a non-empty engine id, got {accessor!r}")
         if expected is not None and (type(expected) is not int or not 1 <= expected <= _MAX_RANK):
             raise LocalProtocolError(f"expected must be an integer in [1, {_MAX_RANK}], got {expected!r}")
         if lease_id is None:
@@ -287,6 +300,7 @@ class Pinner:
         self._now = now
         self._next_id = lease_id + 1
         lease = _Lease(lease_id, key, kind, expiry, expected or 0, push)
+        lease.accessor = accessor
         self._leases[lease_id] = lease
         heapq.heappush(self._heap, (expiry, lease_id))
         if self._by_key is not None:
@@ -412,20 +426,51 @@ class Pinner:
         self.counters.rejected += 1
         return Rejected(engine_id, f"{what}: {why}")
 
-    def _bound_elsewhere(self, lease: _Lease, engine_id: str, rank: int, session: int) -> bool:
+    @staticmethod
+    def _bound_elsewhere(lease: _Lease, engine_id: str, rank: int, session: int) -> bool:
         """Whether the lease speaks for another accessor (engine or session of this rank)."""
         if lease.accessor is not None and lease.accessor != engine_id:
             return True
-        sessions = lease.sessions
-        return sessions is not None and sessions.get(rank, session) != session
+        if lease.b_rank == rank:
+            return lease.b_session != session
+        more = lease.more
+        return more is not None and rank in more and more[rank][0] != session
 
     @staticmethod
     def _bind(lease: _Lease, engine_id: str, rank: int, session: int) -> None:
+        """Bind `rank` of `engine_id` (with `session`) to the lease, if not bound yet."""
         lease.accessor = engine_id
-        if lease.sessions is None:
-            lease.sessions = {rank: session}
-        else:
-            lease.sessions.setdefault(rank, session)
+        if lease.b_rank < 0:
+            lease.b_rank, lease.b_session, lease.b_seq = rank, session, 0
+        elif lease.b_rank != rank:
+            if lease.more is None:
+                lease.more = {}
+            lease.more.setdefault(rank, [session, 0])
+
+    @staticmethod
+    def _fresh_renewal(lease: _Lease, rank: int, seq: int | None) -> bool:
+        """Whether a heartbeat with `seq` from the bound `rank` may extend the lease (a newer
+        one than any that did), recording it. None: no seq (vLLM compat), always fresh."""
+        if seq is None:
+            return True
+        if lease.b_rank == rank:
+            if seq <= lease.b_seq:
+                return False
+            lease.b_seq = seq
+            return True
+        assert lease.more is not None
+        entry = lease.more[rank]
+        if seq <= entry[1]:
+            return False
+        entry[1] = seq
+        return True
+
+    @staticmethod
+    def _sessions(lease: _Lease) -> dict[int, int]:
+        out = {} if lease.b_rank < 0 else {lease.b_rank: lease.b_session}
+        if lease.more:
+            out.update((r, v[0]) for r, v in lease.more.items())
+        return out
 
     def _on_heartbeat(self, now: LocalTime, msg: Heartbeat) -> tuple[PinnerOutput, ...]:
         self.counters.heartbeats += 1
@@ -434,7 +479,7 @@ class Pinner:
             return (bad,)
         out: list[PinnerOutput] = []
         renewed, unknown, expired, released, completed, foreign = self._renew(
-            now, msg.incarnation, msg.lease_ids, msg.engine_id, msg.rank, msg.session
+            now, msg.incarnation, msg.lease_ids, msg.engine_id, msg.rank, msg.session, msg.seq
         )
         self.counters.heartbeat_ids_missing += len(msg.lease_ids) - renewed
         if foreign:
@@ -459,11 +504,15 @@ class Pinner:
         return tuple(out)
 
     def _renew(
-        self, now: LocalTime, incarnation: int, lease_ids: Iterable[int], engine_id: str, rank: int, session: int
+        self, now: LocalTime, incarnation: int, lease_ids: Iterable[int], engine_id: str, rank: int, session: int,
+        seq: int | None,
     ) -> tuple[int, list[int], list[int], list[int], list[int], int]:
         """Renew every named lease that is ACTIVE, not yet expired at `now`, and held for this
-        accessor; classify the rest. Returns (renewed, unknown, expired, released, completed,
-        how many were held for another accessor)."""
+        accessor; classify the rest. A heartbeat no newer (by `seq`) than one that already
+        extended a lease is acknowledged as renewed but extends nothing: a newer heartbeat
+        of the same session was sent later, so its renewal already covers the older one's
+        validity, and a replayed frame cannot keep memory pinned. Returns (renewed, unknown,
+        expired, released, completed, how many were held for another accessor)."""
         unknown: list[int] = []
         expired: list[int] = []
         released: list[int] = []
@@ -483,21 +532,16 @@ class Pinner:
                     bound = lease.accessor
                     if bound is None:
                         lease.accessor = engine_id
-                        lease.sessions = {rank: session}
-                    elif bound != engine_id:
+                        lease.b_rank, lease.b_session, lease.b_seq = rank, session, (0 if seq is None else seq)
+                        fresh = True
+                    elif bound != engine_id or self._bound_elsewhere(lease, engine_id, rank, session):
                         foreign += 1
                         unknown.append(lease_id)
                         continue
                     else:
-                        sessions = lease.sessions
-                        held = None if sessions is None else sessions.get(rank)
-                        if held is None:
-                            self._bind(lease, engine_id, rank, session)
-                        elif held != session:
-                            foreign += 1
-                            unknown.append(lease_id)
-                            continue
-                    if lease.kind is _RENEWABLE and new_expiry > lease.expiry:
+                        self._bind(lease, engine_id, rank, session)
+                        fresh = self._fresh_renewal(lease, rank, seq)
+                    if fresh and lease.kind is _RENEWABLE and new_expiry > lease.expiry:
                         lease.expiry = new_expiry
                     lease.promised = True
                     renewed += 1
@@ -628,7 +672,7 @@ class Pinner:
         self._now = now
         ids = sorted({by_key[k] for k in request_ids if k in by_key})
         self.counters.heartbeats += 1
-        renewed = self._renew(now, self.incarnation, ids, _COMPAT_ENGINE, 0, 0)[0]
+        renewed = self._renew(now, self.incarnation, ids, _COMPAT_ENGINE, 0, 0, None)[0]
         return renewed
 
     def receive_vllm_done(self, now: LocalTime, request_id: str, count: int) -> tuple[PinnerOutput, ...]:
@@ -668,7 +712,8 @@ class Pinner:
         if self._by_key is not None and self._by_key.get(lease.key) == lease.lease_id:
             del self._by_key[lease.key]
         if self.config.tombstone_limit:
-            self._tombstones[lease.lease_id] = _Tombstone(reason, lease.accessor, lease.done, lease.sessions)
+            sessions = self._sessions(lease) if reason is EndReason.ACCESS_DONE else None
+            self._tombstones[lease.lease_id] = _Tombstone(reason, lease.accessor, lease.done, sessions)
             if len(self._tombstones) > self.config.tombstone_limit:
                 self._tombstones.popitem(last=False)
         if reason is EndReason.EXPIRED:

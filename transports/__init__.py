@@ -20,7 +20,7 @@ from ._base import (
     TransferResult,
     Transport,
 )
-from ._driver import Driver, DriverEvent, new_session
+from ._driver import Driver, DriverEvent, load_frame_auth, new_session
 from ._stats import TransportStats
 
 __all__ = [
@@ -38,5 +38,6 @@ __all__ = [
     "TransferResult",
     "Transport",
     "TransportStats",
+    "load_frame_auth",
     "new_session",
 ]

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -62,14 +63,17 @@ from kvlease import (
     AccessDoneAck,
     Accessor,
     AccessStale,
+    ConfigError,
     DecodeError,
     EndReason,
+    FrameAuth,
     Free,
     Handshake,
     HandshakeNeeded,
     HandshakeReply,
     Heartbeat,
     HeartbeatAck,
+    LeaseConfig,
     LeaseKind,
     LeaseLost,
     LeaseTicket,
@@ -87,6 +91,7 @@ from kvlease import (
     decode_vllm,
     encode,
     is_native_frame,
+    is_sealed_frame,
 )
 
 from ._base import (
@@ -110,6 +115,40 @@ logger = logging.getLogger("kvlease.transports")
 DriverEvent = Free | LeaseLost | AccessCompleted | AccessStale | Rejected | PeerSuspect | PeerDead | TransferFailed
 
 _LOG_PEERS_MAX = 1024  # bound on the per-peer log limiter (hostile peers invent names)
+
+
+def load_frame_auth(config: LeaseConfig) -> FrameAuth | None:
+    """The deployment key(s) named by ``config.auth_keys`` (None when authentication is off).
+
+    Each source is ``env:VARIABLE`` or ``file:PATH`` holding the key as hex (at least 32 hex
+    digits, i.e. 128 bits; whitespace ignored). A missing variable or file, or a value that is
+    not such a key, is a `ConfigError` naming ``auth_keys`` and the source, never the key."""
+    if not config.auth_keys:
+        return None
+    keys: list[bytes] = []
+    for source in config.auth_keys:
+        kind, _, name = source.partition(":")
+        if kind == "env":
+            text = os.environ.get(name)
+            if text is None:
+                raise ConfigError("auth_keys", config.auth_keys, f"a set environment variable ({name!r} is not set)")
+        else:
+            try:
+                with open(name, encoding="ascii") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError("auth_keys", config.auth_keys, f"a readable key file ({name!r}: {exc})") from None
+        hex_text = "".join(text.split())
+        try:
+            key = bytes.fromhex(hex_text)
+        except ValueError:
+            key = b""
+        if not 16 <= len(key) <= 64:
+            raise ConfigError(
+                "auth_keys", config.auth_keys, f"a key of 32 to 128 hex digits in {source!r} (the value is not shown)"
+            )
+        keys.append(key)
+    return FrameAuth(keys)
 
 
 def new_session() -> int:
@@ -167,6 +206,9 @@ class Driver:
         if pinner is None and accessor is None:
             raise ValueError("a driver needs a pinner, an accessor, or both")
         config = (pinner or accessor).config  # type: ignore[union-attr]
+        #: Seals what this driver sends and opens what it receives (None: authentication off).
+        #: Loaded at start-up, so a missing or bad key fails here, naming the setting.
+        self._auth = load_frame_auth(config)
         self.transport = transport
         self.pinner = pinner
         self.accessor = accessor
@@ -327,7 +369,7 @@ class Driver:
         assert decision.notification is not None
         # Attached to every part: each pinner rank hears the access-done only after its part
         # landed (and the core knows that a rank answering "completed" mid-access heard ours).
-        notif = encode(decision.notification)
+        notif = self._wire(decision.notification)
         acc = _Access(key, engine_id, set(), now, notified=True)
         self._accesses[key] = acc
         for rank, reg, buf in plan:
@@ -413,6 +455,29 @@ class Driver:
     def close(self) -> None:
         self.transport.close()
 
+    # -- the wire ---------------------------------------------------------------------------
+
+    def _wire(self, msg: Message) -> bytes:
+        """A message as the bytes that travel: encoded, and sealed when a key is configured."""
+        data = encode(msg)
+        return data if self._auth is None else self._auth.seal(data)
+
+    def _unwire(self, data: bytes) -> Message:
+        """The message in `data`; with a key, only a frame sealed with it (checked before
+        anything past the magic is decoded). Raises `DecodeError`."""
+        if self._auth is not None:
+            return decode(self._auth.open(data))
+        if is_sealed_frame(data):
+            raise DecodeError("authentication failed: a sealed frame, but no key is configured (auth_keys)")
+        return decode(data)
+
+    def _refused(self, now: LocalTime, peer: str, exc: DecodeError) -> None:
+        if str(exc).startswith("authentication"):
+            self.stats.unauthenticated_messages += 1
+            self._log(now, peer, f"dropped unauthenticated input: {exc}")
+        else:
+            self._malformed(now, peer, str(exc))
+
     # -- inbound ----------------------------------------------------------------------------
 
     def _on_inbound(self, now: LocalTime, inbound: Inbound) -> None:
@@ -420,14 +485,19 @@ class Driver:
         self._on_frame(now, inbound.engine_id, inbound.data)
 
     def _on_frame(self, now: LocalTime, peer: str, data: bytes) -> None:
-        if is_native_frame(data):
+        if is_native_frame(data) or is_sealed_frame(data):
             try:
-                msg = decode(data)
+                msg = self._unwire(data)
             except DecodeError as exc:
-                self._malformed(now, peer, str(exc))
+                self._refused(now, peer, exc)
                 return
             self._on_message(now, peer, msg)
         elif self.vllm_compat and self.pinner is not None:
+            if self._auth is not None and not self.config.auth_allow_vllm_compat:
+                self.stats.unauthenticated_messages += 1
+                self._log(now, peer, "dropped a vLLM notification: it cannot be authenticated "
+                          "(set auth_allow_vllm_compat to accept it)")
+                return
             self._on_vllm(now, peer, data)
         else:
             self._malformed(now, peer, f"not a kvlease frame ({len(data)} bytes, starts {data[:8]!r})")
@@ -480,9 +550,9 @@ class Driver:
             self._malformed(now, "?", "handshake request to an engine with no pinner")
             return
         try:
-            hs = decode(req.data)
+            hs = self._unwire(req.data)
         except DecodeError as exc:
-            self._malformed(now, "?", f"handshake: {exc}")
+            self._refused(now, "?", exc)
             return
         if not isinstance(hs, Handshake):
             self._malformed(now, "?", f"side channel carried a {type(hs).__name__}, expected a Handshake")
@@ -490,7 +560,7 @@ class Driver:
         self._peer(hs.engine_id).heard()
         reply = self.pinner.handshake_reply(now, hs)
         try:
-            self.transport.answer_handshake(req.token, encode(reply))
+            self.transport.answer_handshake(req.token, self._wire(reply))
         except PeerUnreachable as exc:
             self._suspect(now, hs.engine_id, hs.rank, exc.reason)
             return
@@ -508,7 +578,7 @@ class Driver:
                         stats.heartbeats_sent += 1
                     # Only these are answered, so only these can show a peer is silent.
                     answered = isinstance(msg, Heartbeat) or (isinstance(msg, AccessDone) and msg.confirm)
-                    self._send(now, out.engine_id, out.rank, encode(msg), expect_reply=answered)
+                    self._send(now, out.engine_id, out.rank, self._wire(msg), expect_reply=answered)
                 case Free():
                     if out.reason is EndReason.EXPIRED:
                         stats.leases_expired += 1
@@ -554,7 +624,7 @@ class Driver:
             self._suspect(now, engine_id, 0, "no side-channel address known (pass address= to track)")
             return
         try:
-            self.transport.request_handshake(engine_id, address, encode(hs))
+            self.transport.request_handshake(engine_id, address, self._wire(hs))
         except PeerUnreachable as exc:
             self._suspect(now, engine_id, 0, exc.reason)
             return

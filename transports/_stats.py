@@ -39,6 +39,7 @@ class TransportStats:
     #: Both.
     handshakes_answered: int = 0
     malformed_messages: int = 0  # undecodable or protocol-breaking input, dropped
+    unauthenticated_messages: int = 0  # unsealed, wrongly keyed or unauthenticatable input, dropped
     rejected_messages: int = 0  # understood but refused by the core (`Rejected` outputs)
     peer_send_failures: int = 0  # `PeerUnreachable` hints
     peers_dead: int = 0  # engines disconnected after their engine TTL

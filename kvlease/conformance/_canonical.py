@@ -127,6 +127,8 @@ def decode_error_category(text: str) -> str:
         return "frame"
     if text.startswith("malformed msgpack body") or text.startswith("expected an array [version"):
         return "body"
+    if text.startswith("authentication"):
+        return "auth"
     if text.startswith("unsupported protocol version"):
         return "version"
     if text.startswith("unknown message type"):

@@ -132,7 +132,7 @@ class CoreImplementation:
             ticket = p.grant(
                 now, _str(args, "key"), kind=LeaseKind(_int(args, "kind", 0)),
                 push=bool(args.get("push", False)), expected=args.get("expected"),
-                ttl=args.get("ttl"), lease_id=args.get("lease_id"),
+                ttl=args.get("ttl"), lease_id=args.get("lease_id"), accessor=args.get("accessor"),
             )
             result: JSON = dict(ticket.to_dict())
             return result, ()

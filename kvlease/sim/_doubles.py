@@ -125,11 +125,13 @@ class NoBindingPinner(Pinner):
     """v1: no lease binding: any accessor (another engine, another session) that names a lease
     renews it, and its access-done or release ends it."""
 
-    def _bound_elsewhere(self, lease: _Lease, engine_id: str, rank: int, session: int) -> bool:
+    @staticmethod
+    def _bound_elsewhere(lease: _Lease, engine_id: str, rank: int, session: int) -> bool:
         return False
 
     def _renew(
-        self, now: LocalTime, incarnation: int, lease_ids: Iterable[int], engine_id: str, rank: int, session: int
+        self, now: LocalTime, incarnation: int, lease_ids: Iterable[int], engine_id: str, rank: int, session: int,
+        seq: int | None,
     ) -> tuple[int, list[int], list[int], list[int], list[int], int]:
         ids = list(lease_ids)
         if incarnation == self.incarnation:
@@ -137,8 +139,9 @@ class NoBindingPinner(Pinner):
                 lease = self._leases.get(lease_id)
                 if lease is not None:  # forget who it is bound to: whoever renews it now owns it
                     lease.accessor = None
-                    lease.sessions = None
-        return super()._renew(now, incarnation, ids, engine_id, rank, session)
+                    lease.b_rank = -1
+                    lease.more = None
+        return super()._renew(now, incarnation, ids, engine_id, rank, session, None)
 
 
 class RenewAtExpiryPinner(Pinner):
