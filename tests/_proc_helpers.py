@@ -12,7 +12,13 @@ its events. The NIXL tests may import this module; only the ZMQ helper edits it.
 
 Config: ``engine_id``, ``role`` (pinner/accessor/both), ``rank``/``ranks`` (a worker of a
 tensor-parallel engine; pinner workers of one engine share ``incarnation``), ``bind``, ``lease``
-(LeaseConfig fields), ``driver`` (Driver keyword arguments), ``tensor`` (torch buffers).
+(LeaseConfig fields; ``"auth_keys": ["env:KVLEASE_TEST_KEY"]`` with the key in the child's
+environment turns authentication on), ``driver`` (Driver keyword arguments), ``tensor`` (torch
+buffers), ``transport`` (``zmq``, the default, or ``nixl``: a `NixlTransport` on loopback, whose
+address is its side channel), ``capture`` (emit a ``wire`` event with the hex of every frame the
+driver hands the transport, including the access-done attached to a transfer: what an observer
+on the wire would capture). The ``ready`` event carries the accessor's ``session`` and the
+pinner's ``incarnation``.
 
 Commands (``op``): grant, refill, release, peek, workers (pinner); connect, track, untrack, read
 (``parts``: one buffer per pinner rank), write (accessor); pause (stop stepping for a while, then
@@ -46,8 +52,11 @@ TEST_LEASE: dict[str, Any] = {"kv_lease_duration": 3.0, "max_access_time": 0.2}
 class Agent:
     """A spawned agent process, its event log, and ways to wait on it."""
 
-    def __init__(self, config: dict[str, Any], *, netns: str | None = None, env: dict[str, str] | None = None) -> None:
-        cmd = [PYTHON, "-u", os.path.join(REPO, "tests", "_proc_helpers.py"), json.dumps(config)]
+    def __init__(
+        self, config: dict[str, Any], *, netns: str | None = None, env: dict[str, str] | None = None,
+        script: str = "_proc_helpers.py",
+    ) -> None:
+        cmd = [PYTHON, "-u", os.path.join(REPO, "tests", script), json.dumps(config)]
         if netns is not None:
             cmd = ["ip", "netns", "exec", netns, *cmd]
         full_env = dict(os.environ)
@@ -61,8 +70,13 @@ class Agent:
         self._cond = threading.Condition()
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
-        ready = self.wait_for(lambda e: e["ev"] == "ready", timeout=60.0)
+        try:
+            ready = self.wait_for(lambda e: e["ev"] == "ready", timeout=60.0)
+        except BaseException:
+            self.close()
+            raise
         self.address: str = ready["address"]
+        self.ready = ready
 
     def _read_stdout(self) -> None:
         assert self.proc.stdout is not None
@@ -146,14 +160,18 @@ def spawn_pair(
     pinner_bind: str = "tcp://127.0.0.1:0",
     accessor_bind: str = "tcp://127.0.0.1:0",
     netns: Sequence[str | None] = (None, None),
+    transport: str = "zmq",
+    capture: bool = False,
+    env: dict[str, str] | None = None,
 ) -> tuple[Agent, Agent]:
     """A pinner engine "P" and an accessor engine "D", as two real processes."""
     lease = dict(TEST_LEASE if lease is None else lease)
-    p = Agent({"engine_id": "P", "role": "pinner", "bind": pinner_bind, "lease": lease, "tensor": tensor},
-              netns=netns[0])
+    extra = {"transport": transport, "capture": capture}
+    p = Agent({"engine_id": "P", "role": "pinner", "bind": pinner_bind, "lease": lease, "tensor": tensor, **extra},
+              netns=netns[0], env=env)
     try:
-        d = Agent({"engine_id": "D", "role": "accessor", "bind": accessor_bind, "lease": lease, "tensor": tensor},
-                  netns=netns[1])
+        d = Agent({"engine_id": "D", "role": "accessor", "bind": accessor_bind, "lease": lease, "tensor": tensor,
+                   **extra}, netns=netns[1], env=env)
     except BaseException:
         p.close()
         raise
@@ -170,12 +188,33 @@ def _emit(ev: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
+def _capture(transport: Any) -> None:  # pragma: no cover - runs in the child
+    """Emit every frame the driver hands `transport` (after it was handed over)."""
+    send, start_read, start_write = transport.send, transport.start_read, transport.start_write
+
+    def captured_send(engine_id: str, rank: int | None, data: bytes) -> None:
+        send(engine_id, rank, data)
+        _emit("wire", to=engine_id, rank=rank, data=bytes(data).hex())
+
+    def captured(start: Callable[..., int]) -> Callable[..., int]:
+        def start_transfer(engine_id: str, rank: int, region: str, buf: object, notif: bytes | None) -> int:
+            handle = start(engine_id, rank, region, buf, notif)
+            if notif:
+                _emit("wire", to=engine_id, rank=rank, data=bytes(notif).hex())
+            return handle
+
+        return start_transfer
+
+    transport.send = captured_send
+    transport.start_read = captured(start_read)
+    transport.start_write = captured(start_write)
+
+
 def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the child
     import random
 
     import attrs
     from kvlease.transports import Driver, new_session
-    from kvlease.transports.zmq_transport import ZmqTransport
 
     import kvlease
 
@@ -189,9 +228,19 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
 
         torch = _torch
     rank, ranks = int(config.get("rank", 0)), int(config.get("ranks", 1))
-    transport = ZmqTransport(engine_id, rank, bind=config.get("bind", "tcp://127.0.0.1:0"))
     # The workers of one pinner engine share its incarnation (heterogeneous-TP tests pass it).
     incarnation = int(config.get("incarnation", random.getrandbits(63)))
+    transport: Any
+    if config.get("transport", "zmq") == "nixl":
+        from kvlease.transports.nixl import NixlTransport
+
+        transport = NixlTransport(engine_id, rank, incarnation=incarnation)
+    else:
+        from kvlease.transports.zmq_transport import ZmqTransport
+
+        transport = ZmqTransport(engine_id, rank, bind=config.get("bind", "tcp://127.0.0.1:0"))
+    if config.get("capture"):
+        _capture(transport)
     pinner = None
     if role in ("pinner", "both"):
         pinner = kvlease.Pinner(lease_cfg, engine_id, incarnation, rank=rank, ranks=ranks)
@@ -225,7 +274,8 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
         commands.put(None)
 
     threading.Thread(target=read_stdin, daemon=True).start()
-    _emit("ready", address=transport.address)
+    _emit("ready", address=transport.address, session=None if accessor is None else accessor.session,
+          incarnation=None if pinner is None else incarnation)
     hb_seen = 0
 
     def run(cmd: dict[str, Any]) -> bool:

@@ -237,6 +237,9 @@ class ApiModel(RuleBasedStateMachine):
         r = self._ranks(engine)[j % len(self._ranks(engine))]
         if any(k[0] == engine and k[1] == r for k in self.mesh.accesses):
             return  # the driver disconnects an engine it has no transfer to (it cancels those first)
+        # The engine's own doing: what it tracked there is given up (unreachable), and the
+        # pinner expires what nobody heartbeats any more.
+        self.dirty.update(self.ticket_of[k] for k in self.tracking[engine])
         self.mesh.disconnect(engine, r)
         self._retire_if_gone(engine)
 
