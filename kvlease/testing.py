@@ -175,6 +175,9 @@ class LeaseRecord:
     grant_p: float
     duration: float
     last_hb_p: float | None = None
+    #: The seq of the heartbeat that last extended the lease: an older or repeated one (a
+    #: duplicate, a replay) is acknowledged but extends nothing (spec §5.5).
+    last_hb_seq: int = 0
     last_expiry_p: float = float("-inf")
     frees: list[tuple[float, Free]] = attrs.Factory(list)
     #: (begin_real, end_real or None) of each access the accessor was allowed to start.
@@ -376,8 +379,12 @@ class Pair:
                 for lid in msg.lease_ids:
                     info = self.pinner.info(lid)
                     rec = self.leases.get(lid)
-                    if info is not None and info.state is LeaseState.ACTIVE and rec is not None:
+                    if (
+                        info is not None and info.state is LeaseState.ACTIVE and info.expiry > now_p
+                        and rec is not None and msg.seq > rec.last_hb_seq
+                    ):
                         rec.last_hb_p = now_p
+                        rec.last_hb_seq = msg.seq
             self._pinner_outputs(self.pinner.receive(now_p, msg))
         for msg in self.to_accessor.deliver_due(real):
             if self.accessor_alive:
