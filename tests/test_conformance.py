@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvlease import DecodeError, decode, decode_vllm
+from kvlease import DecodeError, FrameAuth, decode, decode_vllm
 from kvlease.cli._conformance import SubprocessDriver, load_vectors
 from kvlease.conformance import CoreImplementation, JSONDict, compare, run_vector
 
@@ -176,9 +176,15 @@ CODEC_ERRORS = [c for c in BY_NAME["codec"]["cases"] if "error" in c["expect"]] 
 
 @pytest.mark.parametrize("case", CODEC_ERRORS, ids=lambda c: str(c["name"]))
 def test_malformed_bytes_raise_decode_error(case: dict[str, Any]) -> None:
+    data = bytes.fromhex(case["hex"])
+    if case["codec"] == "sealed":
+        auth = FrameAuth([bytes.fromhex(k) for k in case["keys"]])
+        with pytest.raises(DecodeError, match="^authentication"):
+            decode(auth.open(data))
+        return
     fn = decode if case["codec"] == "native" else decode_vllm
     with pytest.raises(DecodeError):
-        fn(bytes.fromhex(case["hex"]))
+        fn(data)
 
 
 def test_an_implementation_that_accepts_malformed_bytes_fails() -> None:

@@ -165,6 +165,11 @@ class Transport(Protocol):
 
     def answer_handshake(self, token: int, data: bytes) -> None: ...
 
+    def reject_handshake(self, token: int) -> None:
+        """The driver refused this handshake request (undecodable or unauthenticated): forget
+        it, free what it holds, and install nothing it carried."""
+        ...
+
     def register(self, region: str, buffer: object) -> int:
         """Register memory under `region`; returns its size in bytes."""
         ...

@@ -271,10 +271,14 @@ class Driver:
         expected: int | None = None,
         ttl: float | None = None,
         lease_id: int | None = None,
+        accessor: str | None = None,
     ) -> LeaseTicket:
-        """Pin `key`'s memory (`nbytes`, for the bytes-pinned gauge) under a new lease."""
+        """Pin `key`'s memory (`nbytes`, for the bytes-pinned gauge) under a new lease;
+        `accessor`: the accessor engine, when the router already picked it (see `Pinner.grant`)."""
         pinner = self._need_pinner()
-        ticket = pinner.grant(self.now(), key, kind=kind, push=push, expected=expected, ttl=ttl, lease_id=lease_id)
+        ticket = pinner.grant(
+            self.now(), key, kind=kind, push=push, expected=expected, ttl=ttl, lease_id=lease_id, accessor=accessor
+        )
         self.stats.leases_granted += 1
         if nbytes:
             self._pinned[ticket.lease_id] = nbytes
@@ -553,9 +557,11 @@ class Driver:
             hs = self._unwire(req.data)
         except DecodeError as exc:
             self._refused(now, "?", exc)
+            self.transport.reject_handshake(req.token)
             return
         if not isinstance(hs, Handshake):
             self._malformed(now, "?", f"side channel carried a {type(hs).__name__}, expected a Handshake")
+            self.transport.reject_handshake(req.token)
             return
         self._peer(hs.engine_id).heard()
         reply = self.pinner.handshake_reply(now, hs)

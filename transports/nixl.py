@@ -29,8 +29,11 @@ Handshake with a tensor-parallel pinner: the accessor worker sends the encoded `
 its agent metadata to the pinner's rank-0 side channel; rank 0 answers with the core's
 `HandshakeReply`, its own agent metadata and layout, and the side-channel addresses of every
 worker of its engine; the accessor's background thread then says hello to every other worker
-(each answers from its transport, no driver involved: the pinner core keeps no per-connection
-state), so heartbeats sent with ``rank=None`` fan out to all of them.
+(each answers from its transport), so heartbeats can reach each of them. A requester's agent
+(where acks go) is installed from a handshake only once the driver accepted the handshake —
+with a deployment key, only a sealed one — and a hello may add a new peer but replaces a known
+one (a restart) only through the same check of the handshake it carries, so a bare request
+naming another engine cannot hijack where that engine's acks go.
 
 Data plane: ``start_read`` pulls a whole remote region into a local buffer (RDMA READ),
 ``start_write`` pushes a local buffer into a remote region (WRITE). A notification passed as
@@ -164,6 +167,11 @@ class _Local:
 # -- side channel ---------------------------------------------------------------------------
 
 
+#: Side-channel connections held at once (each waits for one request); beyond it new ones are
+#: closed at once, so idle or refused connections cannot exhaust the process's descriptors.
+MAX_SIDE_CONNECTIONS = 256
+
+
 def _frame(obj: object) -> bytes:
     body: bytes = msgpack.packb(obj, use_bin_type=True)
     return _LEN.pack(len(body)) + body
@@ -203,13 +211,15 @@ def side_request(addr: tuple[str, int], request: dict[str, Any], timeout: float)
 
 
 class _SideConn:
-    __slots__ = ("inbuf", "outbuf", "sock", "token")
+    __slots__ = ("inbuf", "outbuf", "request", "sock", "token")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.inbuf = bytearray()
         self.outbuf = b""
         self.token = 0
+        #: A request whose requester is installed only when the driver accepts its handshake.
+        self.request: dict[str, Any] | None = None
 
 
 # -- the transport --------------------------------------------------------------------------
@@ -458,7 +468,10 @@ class NixlTransport:
     def _handshake_thread(self, engine_id: str, address: str, request: dict[str, Any]) -> None:
         try:
             reply = side_request(parse_address(address), request, self.handshake_timeout)
-            hello = dict(request, kind="hello", handshake=b"")
+            # The hellos carry the same handshake: a worker that already knows this engine/rank
+            # under another agent (we restarted) installs the new one only once its driver
+            # accepted that handshake (with a key: only if it is sealed with it).
+            hello = dict(request, kind="hello")
             workers = reply.get("workers") or [address]
             others = []
             for rank, addr in enumerate(workers):
@@ -483,6 +496,17 @@ class NixlTransport:
         conn = self._pending_answers.pop(token, None)
         if conn is None:
             return  # the accessor hung up meanwhile
+        try:
+            if conn.request is not None:
+                self._install(conn.request)  # the driver accepted the handshake it carried
+        except Exception as exc:
+            self.malformed += 1
+            log.debug("side channel: dropping a connection: %s", exc)
+            self._close(conn)
+            return
+        if conn.request is not None and conn.request.get("kind") == "hello":
+            self._answer_hello(conn)
+            return
         reply = {
             "v": SIDE_VERSION,
             "reply": data,
@@ -588,6 +612,15 @@ class NixlTransport:
                 s, _ = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except OSError as exc:  # out of descriptors (EMFILE/ENFILE): shed load, never raise
+                self.malformed += 1
+                log.debug("side channel: accept failed: %s", exc)
+                return
+            if len(self._sel.get_map()) > MAX_SIDE_CONNECTIONS:
+                # Connections that never finish a request must not exhaust the process.
+                self.malformed += 1
+                s.close()
+                continue
             s.setblocking(False)
             self._sel.register(s, selectors.EVENT_READ, _SideConn(s))
 
@@ -628,19 +661,30 @@ class NixlTransport:
         if request.get("v") != SIDE_VERSION:
             raise ValueError(f"side-channel version {request.get('v')!r}, expected {SIDE_VERSION}")
         kind = request.get("kind")
-        # Both kinds carry the accessor worker's agent: we need it to send acks back.
-        self._install(request)
-        if kind == "handshake":
+        if kind not in ("handshake", "hello"):
+            raise ValueError(f"unknown side-channel request {kind!r}")
+        engine_id, rank, agent = request.get("engine_id"), request.get("rank"), request.get("agent")
+        if not isinstance(engine_id, str) or not isinstance(rank, int) or not isinstance(agent, str):
+            raise ValueError("malformed hello")
+        known = self._peers.get((engine_id, rank))
+        # The requester's agent is what acks go back to. A handshake installs it only once the
+        # driver accepted the handshake (answer_handshake): with a key, only a sealed one. A
+        # hello installs a new peer at once, but replaces a known one (a restart, or a
+        # hijack attempt) only through the same driver check of the handshake it carries.
+        if kind == "handshake" or (known is not None and known.agent != agent):
             data = request.get("handshake")
             if not isinstance(data, bytes) or not data:
-                raise ValueError("handshake request without a handshake")
+                raise ValueError(f"{kind} without a handshake")
             conn.token = self._next_token
             self._next_token += 1
             self._pending_answers[conn.token] = conn
+            conn.request = request
             self._hs_events.append(HandshakeRequest(conn.token, data))
             return
-        if kind != "hello":
-            raise ValueError(f"unknown side-channel request {kind!r}")
+        self._install(request)
+        self._answer_hello(conn)
+
+    def _answer_hello(self, conn: _SideConn) -> None:
         conn.outbuf = _frame({
             "v": SIDE_VERSION,
             "engine_id": self._engine_id,
@@ -650,6 +694,12 @@ class NixlTransport:
             "regions": self._layout(),
         })
         self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+
+    def reject_handshake(self, token: int) -> None:
+        conn = self._pending_answers.pop(token, None)
+        if conn is not None:
+            conn.token = 0
+            self._close(conn)
 
     def _close(self, conn: _SideConn) -> None:
         if conn.token:

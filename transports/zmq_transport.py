@@ -404,6 +404,9 @@ class ZmqTransport:
             who = _parse_identity(ident) or ("?", 0)
             raise PeerUnreachable(who[0], who[1], f"zmq: {exc}") from None
 
+    def reject_handshake(self, token: int) -> None:
+        self._hs_tokens.pop(token, None)
+
     # -- data plane -------------------------------------------------------------------------
 
     def register(self, region: str, buffer: object) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._accessor import Accessor
+from .._auth import FrameAuth
 from .._clock import LocalTime
 from .._codec import decode, encode
 from .._config import LeaseConfig
@@ -94,6 +95,12 @@ class CoreImplementation:
         codec = request.get("codec", "native")
         if codec == "native":
             return {"ok": True, "message": message_to_json(decode(data))}
+        if codec == "sealed":  # a frame sealed with a deployment key: open with `keys`, then decode
+            keys = request.get("keys")
+            if not isinstance(keys, list) or not keys:
+                raise VectorFormatError("a sealed decode needs a non-empty keys list (hex)")
+            auth = FrameAuth([_hex({"key": k}, "key") for k in keys])
+            return {"ok": True, "message": message_to_json(decode(auth.open(data)))}
         if codec == "vllm":
             return {"ok": True, "message": message_to_json(decode_vllm(data))}
         raise VectorFormatError(f"unknown codec {codec!r}")

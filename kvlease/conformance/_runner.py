@@ -203,6 +203,8 @@ def _run_codec(name: str, desc: str, vector: JSONDict, impl: Implementation) -> 
             mm = Mismatch(name, i, f"case {i}", "malformed case in the vector", None, None, None)
             return VectorResult(name, "codec", desc, i, total, mm)
         request: JSONDict = {"cmd": "decode", "codec": case.get("codec", "native"), "hex": case.get("hex")}
+        if "keys" in case:
+            request["keys"] = case["keys"]
         expected = case.get("expect")
         label = f"case {i} ({case.get('name')})"
         resp = _call(impl, request)

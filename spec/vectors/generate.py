@@ -1076,6 +1076,44 @@ def codec_cases() -> dict[str, Any]:
         ("vllm_done_count_not_digits", "vllm", b"req-1:x1", ["field"]),
         ("vllm_done_empty_id", "vllm", b":3", ["frame"]),
     ]
+    # Sealed frames (deployment-key authentication): a test key, and the previous one of a
+    # rotation. An implementation must accept exactly these tags and refuse the rest.
+    from kvlease import FrameAuth
+
+    key_new, key_old = bytes(range(16)), bytes(range(200, 232))
+    sealed_new, sealed_old = FrameAuth([key_new]), FrameAuth([key_old])
+    rotating = [key_new.hex(), key_old.hex()]
+    for name, msg in valid_msgs[:7]:
+        data = sealed_new.seal(encode(msg))
+        cases.append({"name": f"sealed_{name}", "codec": "sealed", "keys": [key_new.hex()], "hex": data.hex(),
+                      "expect": {"message": message_to_json(msg)}})
+    hb_msg = valid_msgs[2][1]
+    cases.append({"name": "sealed_with_the_previous_key_during_a_rotation", "codec": "sealed", "keys": rotating,
+                  "hex": sealed_old.seal(encode(hb_msg)).hex(), "expect": {"message": message_to_json(hb_msg)}})
+    good = sealed_new.seal(encode(hb_msg))
+    tampered = bytearray(good)
+    tampered[-1] ^= 1
+    tag_flipped = bytearray(good)
+    tag_flipped[5] ^= 0x80
+    for name, raw in [
+        ("sealed_unsealed_frame_refused", encode(hb_msg)),
+        ("sealed_with_another_key", sealed_old.seal(encode(hb_msg))),
+        ("sealed_body_tampered", bytes(tampered)),
+        ("sealed_tag_tampered", bytes(tag_flipped)),
+        ("sealed_truncated_tag", good[:10]),
+        ("sealed_vllm_notification_refused", encode_vllm_heartbeat(["req-1"])),
+    ]:
+        try:
+            decode(sealed_new.open(raw))
+        except Exception as exc:
+            from kvlease import DecodeError
+            from kvlease.conformance import decode_error_category
+
+            assert isinstance(exc, DecodeError) and decode_error_category(str(exc)) == "auth", (name, exc)
+        else:
+            raise AssertionError(f"{name} opened")
+        cases.append({"name": name, "codec": "sealed", "keys": [key_new.hex()], "hex": raw.hex(),
+                      "expect": {"error": {"class": "DecodeError", "category": ["auth"]}}})
     for name, codec, raw, cats in bad:
         fn = decode if codec == "native" else decode_vllm
         try:
