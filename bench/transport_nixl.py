@@ -42,7 +42,7 @@ def serve(role: str) -> None:
     """The peer process: `echo` bounces notifications; `pin` grants leases on two tensors."""
     import torch
     from kvlease.transports._base import HandshakeRequest
-    from kvlease.transports._driver import Driver, new_session
+    from kvlease.transports._driver import Driver
     from kvlease.transports.nixl import NixlTransport
 
     from kvlease import LeaseConfig, Pinner
