@@ -179,7 +179,7 @@ def test_malformed_bytes_raise_decode_error(case: dict[str, Any]) -> None:
     data = bytes.fromhex(case["hex"])
     if case["codec"] == "sealed":
         auth = FrameAuth([bytes.fromhex(k) for k in case["keys"]])
-        with pytest.raises(DecodeError, match="^authentication"):
+        with pytest.raises(DecodeError, match=r"^authentication"):
             decode(auth.open(data))
         return
     fn = decode if case["codec"] == "native" else decode_vllm
