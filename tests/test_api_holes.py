@@ -57,9 +57,10 @@ test         unsafe outcome on the v1 core                           v2 mechanis
 8c           grant after lease id 2**64-1 assigned id 2**64          LocalProtocolError
 8d           a 961 B heartbeat was answered by a 1599 B ack          split rule sized for the ack
              (> max_message_bytes=1024)
-9            (not a v1 test) a restarted accessor process (same      STRICT XFAIL: core bug, the pinner's
-             engine and rank, new session) reading a lease already   tombstone OK ignores the session
-             freed gets OK from the tombstone: AccessCompleted
+9            (found while porting to v2) a restarted accessor        the tombstone confirms a duplicate
+             process (same engine and rank, new session) reading a   access-done only for the same
+             lease already freed got OK from the tombstone:          session (STALE otherwise)
+             AccessCompleted(confirmed)
 ===========  =====================================================  ===================================
 
 Construction goes only through `make_pinner` / `make_accessor`, so a changed constructor
