@@ -60,6 +60,22 @@ class InvariantViolation(AssertionError):
     """A protocol invariant failed; the message names it and the numbers involved."""
 
 
+def _run_events(
+    now: float, target: float, next_event: Callable[[], float | None], step: Callable[[float], None]
+) -> None:
+    """Step a harness at each of its events up to `target` real time, then at `target`. An
+    event that never moves past now (a deadline an endpoint keeps re-reporting) is a busy loop."""
+    for _ in range(1_000_000):
+        t = next_event()
+        if t is None or t > target:
+            break
+        now = max(t, now)
+        step(now)
+    else:
+        raise InvariantViolation("busy loop: a deadline never moved past now")
+    step(target)
+
+
 @attrs.frozen
 class PeerClock:
     """One simulated peer's monotonic clock: ``local = epoch + rate * real``."""
@@ -339,15 +355,7 @@ class Pair:
         """Move real time on by `dt`, handling every deadline and delivery on the way."""
         if dt < 0.0:
             raise ValueError("real time never runs backwards")
-        target = self.real + dt
-        for _ in range(1_000_000):
-            t = self._next_event()
-            if t is None or t > target:
-                break
-            self._step(max(t, self.real))
-        else:
-            raise InvariantViolation("busy loop: a deadline never moved past now")
-        self._step(target)
+        _run_events(self.real, self.real + dt, self._next_event, self._step)
 
     def _next_event(self) -> float | None:
         cands: list[float] = []
@@ -794,15 +802,9 @@ class Mesh:
     def advance(self, dt: float) -> None:
         """Move real time on by `dt`, waking every endpoint at its deadlines and delivering
         every message whose time has come (held ones stay held)."""
-        target = self.real + dt
-        for _ in range(100_000):
-            t = self._next_event()
-            if t is None or t > target:
-                break
-            self._step(max(t, self.real))
-        else:
-            raise InvariantViolation("busy loop: a deadline never moved past now")
-        self._step(target)
+        if dt < 0.0:
+            raise ValueError("real time never runs backwards")
+        _run_events(self.real, self.real + dt, self._next_event, self._step)
 
     def _next_event(self) -> float | None:
         cands = [m.deliver_at for m in self.flight if m.deliver_at is not None]
