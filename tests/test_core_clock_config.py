@@ -175,6 +175,9 @@ BAD_FIELDS: list[tuple[str, object]] = [
     ("clock_sample_window", 0),
     ("clock_sample_window", 4097),
     ("vllm_compat", 1),
+    ("auth_keys", ("KVLEASE_KEY",)),  # a source is env:NAME or file:PATH
+    ("auth_keys", ("env:A", "env:B", "env:C")),  # the current key and at most one previous
+    ("auth_allow_vllm_compat", 1),
 ]
 
 

@@ -83,13 +83,23 @@ def test_a_side_channel_hello_cannot_hijack_another_engines_acks(monkeypatch: py
         _pump([p, d], lambda: d.accessor.valid_until("req-1") is not None)  # type: ignore[union-attr]
         hello = x._hello("hello")
         hello["engine_id"] = "D"  # the attacker's agent, claiming to be engine D
-        th = threading.Thread(target=lambda: side_request(parse_address(pt.address), hello, 3.0), daemon=True)
+        refused: list[BaseException] = []
+
+        def attack() -> None:
+            try:
+                side_request(parse_address(pt.address), hello, 3.0)
+            except (ConnectionRefusedError, OSError) as exc:  # refused: it carries no handshake
+                refused.append(exc)
+
+        th = threading.Thread(target=attack, daemon=True)
         th.start()
         before = p.stats.heartbeats_received
         events = _pump([p, d], lambda: p.stats.heartbeats_received >= before + 8, timeout=20.0)
         assert not [e for e in events if isinstance(e, LeaseLost)]
         assert d.accessor.valid_until("req-1") is not None
         assert p.pinner is not None and p.pinner.info(ticket.lease_id) is not None
+        th.join(5.0)
+        assert refused, "the side channel answered the hijacking hello"
     finally:
         for t in (p, d):
             t.close()
