@@ -18,6 +18,7 @@ __all__ = ["main"]
 #: subcommand name -> (module, attribute, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("kvlease.cli._demo", "demo", "Run the two-process loopback demo (P and D as real processes)."),
+    "check": ("kvlease.cli._check", "check", "Model-check the real core exhaustively over a small scope."),
     "conformance": (
         "kvlease.cli._conformance",
         "conformance",

@@ -1,0 +1,767 @@
+"""One state of the explored system, and every transition out of it, audited in real time.
+
+A `World` holds the REAL cores — one `Pinner` per pinner rank (one engine, one clock) and one
+`Accessor` per rank of each accessor engine (one clock per engine) — the network (every message
+in flight as its encoded bytes, addressed to one rank of one engine; a bounded history of
+delivered messages for stale replays), real time, and the ground truth the audit needs (frees,
+the spec's expiry formula per lease and pinner rank, accesses in real time).
+
+`World.actions()` lists every transition allowed from this state (engine calls the API allows,
+network actions over each distinct message in flight, time advances to the instants that
+matter); `World.apply(action)` performs one on this world (the explorer applies it to a copy)
+and raises `Violation` if an invariant breaks. `World.fingerprint()` is the canonical key the
+explorer deduplicates on.
+
+Pure: no clock, no I/O. Every "now" is an endpoint's local reading of the world's real time:
+``local = epoch + rate * real``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, assert_never
+
+import attrs
+
+from .._accessor import Accessor, TrackedState
+from .._clock import LocalTime
+from .._codec import decode, encode
+from .._config import LeaseConfig
+from .._errors import LocalProtocolError
+from .._events import (
+    AccessCompleted,
+    AccessorOutput,
+    AccessStale,
+    EndReason,
+    Free,
+    HandshakeNeeded,
+    LeaseLost,
+    PinnerOutput,
+    Rejected,
+    Send,
+)
+from .._layout import tp_layout
+from .._messages import AccessDone, Heartbeat, LeaseKind, LeaseTicket
+from .._pinner import LeaseState, Pinner
+
+__all__ = ["Action", "Scope", "Violation", "World"]
+
+PINNER = "prefill-0"
+INCARNATION = 0x5EED0001
+#: How far before / after an instant that matters a time advance lands, real seconds. Far above
+#: float rounding at the epochs used (~1e5 s), far below every protocol timing.
+DELTA = 1e-5
+#: Tolerance for instants compared across clock conversions (as `kvlease.testing`).
+TOL = 1e-6
+
+#: An action is a small tuple of plain values: its first item names it (see `World.apply`).
+Action = tuple[Any, ...]
+
+
+class Violation(AssertionError):
+    """An invariant broke (the message says which, with the numbers)."""
+
+
+KINDS = ("renewable", "fixed", "push")
+#: The explored configuration: a 6 s lease (heartbeat every 1 s, extension 4 s), a 9 s fixed
+#: TTL, a 0.5 s access bound, a 1 % drift bound (large, so rate extremes matter) and the
+#: smallest validity margin the config allows.
+CHECK_CONFIG = LeaseConfig(
+    kv_lease_duration=6.0, max_access_time=0.5, decoder_kv_blocks_ttl=9.0, max_drift_rate=1e-2,
+    validity_margin=1e-3,
+)
+
+
+@attrs.frozen
+class Scope:
+    """What the explorer covers. Epochs and rates are fixed per run: `rates` lists the clock
+    rate of the pinner engine then of each accessor engine, each an end of [1-rho, 1+rho]."""
+
+    pinner_ranks: int = 1
+    accessor_ranks: int = 1
+    engines: int = 1
+    leases: int = 1
+    kinds: tuple[str, ...] = ("renewable",)
+    depth: int = 10
+    history: int = 0
+    #: Action families left out (a narrower scope): names as `World.apply` dispatches on.
+    without: frozenset[str] = frozenset()
+    rates: tuple[float, ...] | None = None
+    config: LeaseConfig = attrs.field(factory=lambda: CHECK_CONFIG)
+
+    def rate_choices(self) -> list[tuple[float, ...]]:
+        """Every combination of extreme rates (pinner, accessor engines...), or the one given."""
+        if self.rates is not None:
+            return [self.rates]
+        rho = self.config.max_drift_rate
+        out: list[tuple[float, ...]] = [()]
+        for _ in range(1 + self.engines):
+            out = [(*r, x) for r in out for x in (1.0 - rho, 1.0 + rho)]
+        return out
+
+
+def engine_name(i: int) -> str:
+    return f"decode-{i}"
+
+
+def _session(engine: int, rank: int) -> int:
+    return 1000 * (engine + 1) + rank + 1  # a fixed, distinct session per accessor process
+
+
+@attrs.define
+class _Access:
+    engine: str
+    rank: int
+    key: str
+    lease_id: int
+    begin: float
+    targets: tuple[int, ...]
+    notification: bytes
+    attempt: int
+    push: bool
+    end: float | None = None
+    #: A target rank freed the lease before the access ended (in the world's order of events,
+    #: which is the real order even when readings are equal): it must not be reported done.
+    overlapped: bool = False
+
+
+class World:
+    """See the module docstring. Copied (pickle / deepcopy) by the explorer, never shared."""
+
+    def __init__(
+        self,
+        scope: Scope,
+        rates: tuple[float, ...],
+        pinner_cls: Callable[..., Pinner] = Pinner,
+        accessor_cls: Callable[..., Accessor] = Accessor,
+        *,
+        record: bool = False,
+    ) -> None:
+        cfg = scope.config
+        self.scope = scope
+        self.cfg = cfg
+        self.real = 0.0
+        # Arbitrary, distinct epochs (large, so float rounding is exercised).
+        self.epochs = [91_000.0] + [12_345.5 + 40_000.0 * i for i in range(scope.engines)]
+        self.rates = rates
+        p = scope.pinner_ranks
+        self.pinners = [pinner_cls(cfg, PINNER, INCARNATION, rank=q, ranks=p) for q in range(p)]
+        self.engine_ranks = {engine_name(i): scope.accessor_ranks for i in range(scope.engines)}
+        self.accessors: dict[tuple[str, int], Accessor] = {}
+        for i in range(scope.engines):
+            for r in range(scope.accessor_ranks):
+                self.accessors[engine_name(i), r] = accessor_cls(
+                    cfg, engine_name(i), session=_session(i, r), rank=r, ranks=scope.accessor_ranks
+                )
+        # The network: (to_pinner, engine, rank, bytes), a multiset kept sorted.
+        self.flight: list[tuple[bool, str, int, bytes]] = []
+        self.delivered: list[tuple[bool, str, int, bytes]] = []
+        # Engine-side bookkeeping.
+        self.tickets: dict[str, LeaseTicket] = {}  # request key -> ticket
+        self.lease_kind: dict[int, str] = {}  # lease id -> "renewable" | "fixed" | "push"
+        self.tracked_by: dict[int, str] = {}  # lease id -> the accessor engine that tracked it
+        self.retracks = 0
+        self.granted = 0
+        # Ground truth (real time / pinner clock).
+        self.frees: dict[tuple[int, int], tuple[float, Free]] = {}
+        self.formula: dict[tuple[int, int], float] = {}  # (lease, rank) -> spec expiry, pinner clock
+        self.hb_seq: dict[tuple[int, int, str, int], int] = {}  # (lease, q, engine, arank) -> last renewing seq
+        self.done_heard: dict[tuple[int, int], set[tuple[str, int, int]]] = {}
+        self.accesses: dict[tuple[str, int, str], _Access] = {}
+        self.finished: dict[tuple[str, int, str], _Access] = {}
+        self.last_advance = False
+        self.record: list[dict[str, Any]] | None = [] if record else None
+
+    # -- clocks ------------------------------------------------------------------------------
+
+    def now_p(self) -> LocalTime:
+        return LocalTime(self.epochs[0] + self.rates[0] * self.real)
+
+    def now_a(self, engine: str) -> LocalTime:
+        i = int(engine.rsplit("-", 1)[1])
+        return LocalTime(self.epochs[1 + i] + self.rates[1 + i] * self.real)
+
+    def real_of_p(self, local: float) -> float:
+        return (local - self.epochs[0]) / self.rates[0]
+
+    def real_of_a(self, engine: str, local: float) -> float:
+        i = int(engine.rsplit("-", 1)[1])
+        return (local - self.epochs[1 + i]) / self.rates[1 + i]
+
+    # -- recording (conformance-vector steps, only when replaying a found schedule) ---------
+
+    def endpoints(self) -> dict[str, dict[str, Any]]:
+        eps: dict[str, dict[str, Any]] = {}
+        for q in range(len(self.pinners)):
+            eps[f"P{q}"] = {"role": "pinner", "engine_id": PINNER, "incarnation": INCARNATION, "rank": q,
+                            "ranks": len(self.pinners)}
+        for (e, r), acc in self.accessors.items():
+            eps[f"{e}.{r}"] = {"role": "accessor", "engine_id": e, "rank": r, "ranks": acc.ranks,
+                               "session": acc.session}
+        return eps
+
+    def _rec(self, endpoint: str, now: float, op: str, args: dict[str, Any] | None = None) -> None:
+        if self.record is not None:
+            step: dict[str, Any] = {"endpoint": endpoint, "now": now, "op": op, "t": self.real}
+            if args:
+                step["args"] = args
+            self.record.append(step)
+
+    # -- fingerprint -------------------------------------------------------------------------
+
+    def fingerprint(self) -> Hashable:
+        """Canonical key of everything that decides the future: the cores' state (private
+        fields read here only), the network, real time and the audit's ground truth. Left out
+        as behaviour-irrelevant: counters, each core's latest `now` (time never runs backwards
+        in a world, so it only guards misuse), heap layouts (taken as multisets: pops and
+        peeks depend on the multiset alone), the delivered history's order past its bound."""
+        return (
+            self.real,
+            self.rates,
+            tuple(_pinner_fp(p) for p in self.pinners),
+            tuple(_accessor_fp(a) for a in self.accessors.values()),
+            tuple(self.flight),
+            tuple(self.delivered),
+            tuple(sorted(self.tickets.items(), key=lambda kv: kv[0])),
+            tuple(sorted(self.tracked_by.items())),
+            tuple(sorted((k, v[0], v[1].reason) for k, v in self.frees.items())),
+            tuple(sorted(self.formula.items())),
+            tuple(sorted(self.hb_seq.items())),
+            tuple(sorted((k, tuple(sorted(v))) for k, v in self.done_heard.items())),
+            tuple(sorted((k, a.begin, a.attempt, a.overlapped) for k, a in self.accesses.items())),
+            tuple(sorted((k, a.begin, a.end, a.attempt, a.overlapped) for k, a in self.finished.items())),
+        )
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def actions(self) -> list[Action]:
+        """Every transition from here (the explorer prunes by depth)."""
+        sc = self.scope
+        out: list[Action] = []
+        no = sc.without
+        if self.granted < sc.leases and "grant" not in no:
+            out.extend(("grant", k) for k in sc.kinds)
+        for key, ticket in sorted(self.tickets.items()):
+            lid = ticket.lease_id
+            if "#" in key:
+                continue
+            if "release" not in no and any(p.info(lid) is not None for p in self.pinners):
+                out.append(("release", key))
+            if lid not in self.tracked_by and "track" not in no:
+                out.extend(("track", e, key) for e in self.engine_ranks)
+        for (e, r), acc in self.accessors.items():
+            for key in sorted(self.tickets):
+                state = acc.state_of(key)
+                base = key.split("#")[0]
+                lid = self.tickets[key].lease_id
+                if state is None and "retrack" not in no and "#" not in key and self.tracked_by.get(lid) == e:
+                    out.append(("retrack", e, r, base))
+                if state in (TrackedState.WAITING, TrackedState.CONFIRMING) and "untrack" not in no:
+                    out.append(("untrack", e, r, key))
+                if state is TrackedState.WAITING and "begin" not in no:
+                    out.append(("begin", e, r, key))
+                if (e, r, key) in self.accesses:
+                    if "finish" not in no:
+                        out.append(("finish", e, r, key, True))
+                        out.append(("finish", e, r, key, False))
+                    if "fail" not in no:
+                        out.extend(("fail", e, r, key, how) for how in ("landed", "posted", "unposted"))
+            if (
+                "disconnect" not in no and acc.clock_estimator(PINNER) is not None
+                and not any(k[0] == e and k[1] == r for k in self.accesses)
+            ):
+                out.append(("disconnect", e, r))
+        # Timeouts: an endpoint whose deadline has come.
+        now_p = self.now_p()
+        for q, p in enumerate(self.pinners):
+            nd = p.next_deadline()
+            if nd is not None and nd <= now_p:
+                out.append(("timeout", "P", q))
+        for (e, r), acc in self.accessors.items():
+            nd = acc.next_deadline()
+            if nd is not None and nd <= self.now_a(e):
+                out.append(("timeout", e, r))
+        # The network, over each distinct message in flight.
+        seen: set[tuple[bool, str, int, bytes]] = set()
+        for i, m in enumerate(self.flight):
+            if m in seen:
+                continue
+            seen.add(m)
+            out.append(("deliver", i))
+            if "drop" not in no:
+                out.append(("drop", i))
+            if "dup" not in no:
+                out.append(("dup", i))
+            if "misroute" not in no:
+                ranks = len(self.pinners) if m[0] else self.engine_ranks[m[1]]
+                out.extend(("misroute", i, q) for q in range(ranks) if q != m[2])
+            if "cross" not in no and not m[0]:
+                out.extend(("cross", i, e) for e in self.engine_ranks if e != m[1] and m[2] < self.engine_ranks[e])
+        if "replay" not in no:
+            out.extend(("replay", j) for j in range(len(self.delivered)))
+        # Time: never two advances in a row (the second is reachable directly from the state
+        # before the first, one step shallower: advances compose and change nothing else).
+        if not self.last_advance and "advance" not in no:
+            out.extend(("advance", t) for t in self._instants())
+        return out
+
+    def _instants(self) -> list[float]:
+        """Real instants that matter, just before and just after each: every endpoint's next
+        deadline, each live lease's expiry on each pinner rank, each accessor validity end."""
+        marks: set[float] = set()
+        for p in self.pinners:
+            nd = p.next_deadline()
+            if nd is not None:
+                marks.add(self.real_of_p(nd))
+            for lid in p.live_ids():
+                info = p.info(lid)
+                assert info is not None
+                marks.add(self.real_of_p(info.expiry))
+        for (e, _), acc in self.accessors.items():
+            nd = acc.next_deadline()
+            if nd is not None:
+                marks.add(self.real_of_a(e, nd))
+            for key in self.tickets:
+                v = acc.valid_until(key)
+                if v is not None:
+                    marks.add(self.real_of_a(e, v))
+        out = {t + d for t in marks for d in (-DELTA, DELTA)}
+        return sorted(t for t in out if t > self.real)
+
+    def apply(self, action: Action) -> None:
+        """Perform `action` here; raise `Violation` when an invariant breaks."""
+        self.last_advance = False
+        match action[0]:
+            case "grant":
+                self._grant(action[1])
+            case "release":
+                lid = self.tickets[action[1]].lease_id
+                for q in range(len(self.pinners)):
+                    self._release(q, lid)
+            case "track":
+                _, e, key = action
+                self.tracked_by[self.tickets[key].lease_id] = e
+                for r in range(self.engine_ranks[e]):
+                    self._track(e, r, key, key)
+            case "retrack":
+                _, e, r, base = action
+                self.retracks += 1
+                key = f"{base}#{self.retracks}"
+                self.tickets[key] = self.tickets[base]
+                self._track(e, r, key, base)
+            case "untrack":
+                _, e, r, key = action
+                acc = self.accessors[e, r]
+                now = self.now_a(e)
+                self._rec(f"{e}.{r}", now, "untrack", {"key": key})
+                self._acc_out(e, r, self._call_a(e, r, lambda: acc.untrack(now, key)))
+            case "begin":
+                self._begin(*action[1:])
+            case "finish":
+                self._finish(*action[1:])
+            case "fail":
+                self._fail(*action[1:])
+            case "disconnect":
+                _, e, r = action
+                acc = self.accessors[e, r]
+                now = self.now_a(e)
+                self._rec(f"{e}.{r}", now, "disconnect", {"engine_id": PINNER})
+                self._acc_out(e, r, self._call_a(e, r, lambda: acc.disconnect(now, PINNER)))
+            case "timeout":
+                self._timeout(action[1], action[2])
+            case "deliver":
+                self._deliver(self.flight.pop(action[1]))
+            case "drop":
+                self.flight.pop(action[1])
+            case "dup":
+                self._send(self.flight[action[1]])
+            case "misroute":
+                m = self.flight.pop(action[1])
+                self._deliver((m[0], m[1], action[2], m[3]))
+            case "cross":
+                m = self.flight.pop(action[1])
+                self._deliver((m[0], action[2], m[2], m[3]))
+            case "replay":
+                self._deliver(self.delivered[action[1]], replay=True)
+            case "advance":
+                self.real = action[1]
+                self.last_advance = True
+            case other:
+                raise ValueError(f"unknown action {other!r}")
+        self.check()
+
+    # -- engine actions ----------------------------------------------------------------------
+
+    def _grant(self, kind: str) -> None:
+        self.granted += 1
+        key = f"k{self.granted}"
+        now = self.now_p()
+        lk = LeaseKind.FIXED_TTL if kind == "fixed" else LeaseKind.RENEWABLE
+        push = kind == "push"
+        ticket: LeaseTicket | None = None
+        for q, p in enumerate(self.pinners):
+            args: dict[str, Any] = {"key": key, "kind": lk.value, "push": push, "lease_id": self.granted}
+            self._rec(f"P{q}", now, "grant", args)
+            t = p.grant(now, key, kind=lk, push=push, lease_id=self.granted)
+            ticket = ticket or t
+            duration = self.cfg.decoder_kv_blocks_ttl if lk is LeaseKind.FIXED_TTL else self.cfg.kv_lease_duration
+            self.formula[self.granted, q] = now + duration
+        assert ticket is not None
+        self.tickets[key] = LeaseTicket.from_dict(ticket.to_dict())  # travels as transfer parameters
+        self.lease_kind[self.granted] = kind
+
+    def _release(self, q: int, lid: int) -> None:
+        p = self.pinners[q]
+        now = self.now_p()
+        self._rec(f"P{q}", now, "release", {"lease_id": lid})
+        self._pinner_out(q, self._call_p(q, lambda: p.release(now, lid)))
+
+    def _track(self, e: str, r: int, key: str, base: str) -> None:
+        acc = self.accessors[e, r]
+        now = self.now_a(e)
+        ticket = self.tickets[base]
+        push = self.lease_kind[ticket.lease_id] == "push"
+        self._rec(f"{e}.{r}", now, "track", {"key": key, "ticket": ticket.to_dict(), "push": push})
+        self._acc_out(e, r, self._call_a(e, r, lambda: acc.track(now, key, ticket, push=push)))
+
+    def _begin(self, e: str, r: int, key: str) -> None:
+        acc = self.accessors[e, r]
+        now = self.now_a(e)
+        self._rec(f"{e}.{r}", now, "begin_access", {"key": key})
+        d = acc.begin_access(now, key)
+        if d.allowed:
+            assert d.notification is not None
+            lid = d.notification.lease_id
+            self.accesses[e, r, key] = _Access(
+                e, r, key, lid, self.real, d.targets, encode(d.notification), d.notification.attempt,
+                self.lease_kind[lid] == "push",
+            )
+
+    def _finish(self, e: str, r: int, key: str, notified: bool) -> None:
+        access = self.accesses.pop((e, r, key))
+        access.end = self.real
+        self._check_write(access)
+        self.finished[e, r, key] = access
+        access.overlapped = access.overlapped or any((access.lease_id, q) in self.frees for q in access.targets)
+        if notified:
+            for q in access.targets:
+                self._send((True, PINNER, q, access.notification))
+        acc = self.accessors[e, r]
+        now = self.now_a(e)
+        self._rec(f"{e}.{r}", now, "access_finished", {"key": key, "notified": notified})
+        self._acc_out(e, r, self._call_a(e, r, lambda: acc.access_finished(now, key, notified=notified)))
+
+    def _fail(self, e: str, r: int, key: str, how: str) -> None:
+        access = self.accesses.pop((e, r, key))
+        access.end = self.real
+        self._check_write(access)
+        if how == "landed":  # the notification reached every target, then the transport failed
+            for q in access.targets:
+                self._deliver((True, PINNER, q, access.notification))
+        acc = self.accessors[e, r]
+        now = self.now_a(e)
+        posted = how != "unposted"
+        self._rec(f"{e}.{r}", now, "access_failed", {"key": key, "posted": posted})
+        self._acc_out(e, r, self._call_a(e, r, lambda: acc.access_failed(now, key, posted=posted)))
+
+    def _timeout(self, who: str, idx: int) -> None:
+        if who == "P":
+            p = self.pinners[idx]
+            now = self.now_p()
+            self._rec(f"P{idx}", now, "handle_timeout")
+            outs = p.handle_timeout(now)
+            after = p.next_deadline()
+            if after is not None and after <= now:
+                raise Violation(f"pinner rank {idx}: next_deadline {after} <= now {now} after handle_timeout")
+            self._pinner_out(idx, outs)
+        else:
+            acc = self.accessors[who, idx]
+            now = self.now_a(who)
+            self._rec(f"{who}.{idx}", now, "handle_timeout")
+            a_outs = acc.handle_timeout(now)
+            a_after = acc.next_deadline()
+            if a_after is not None and a_after <= now:
+                raise Violation(f"accessor {who}.{idx}: next_deadline {a_after} <= now {now} after handle_timeout")
+            self._acc_out(who, idx, a_outs)
+
+    # -- calls that may be refused -----------------------------------------------------------
+
+    def _call_a(
+        self, e: str, r: int, fn: Callable[[], tuple[AccessorOutput, ...]], *, local: bool = True
+    ) -> tuple[AccessorOutput, ...]:
+        """A core call; `local`: a call by the engine, which may refuse misuse. A message
+        from the network (`local=False`) must never raise."""
+        acc = self.accessors[e, r]
+        before = _accessor_fp(acc)
+        try:
+            return fn()
+        except LocalProtocolError as exc:
+            if not local:
+                raise Violation(f"accessor {e}.{r}: receive raised LocalProtocolError: {exc}") from None
+            # A refused misuse is a legal outcome of the action; it must change nothing (§8).
+            if _accessor_fp(acc) != before:
+                raise Violation(f"accessor {e}.{r}: a call refused with LocalProtocolError changed its state") from None
+            return ()
+
+    def _call_p(
+        self, q: int, fn: Callable[[], tuple[PinnerOutput, ...]], *, local: bool = True
+    ) -> tuple[PinnerOutput, ...]:
+        p = self.pinners[q]
+        before = _pinner_fp(p)
+        try:
+            return fn()
+        except LocalProtocolError as exc:
+            if not local:
+                raise Violation(f"pinner rank {q}: receive raised LocalProtocolError: {exc}") from None
+            if _pinner_fp(p) != before:
+                raise Violation(f"pinner rank {q}: a call refused with LocalProtocolError changed its state") from None
+            return ()
+
+    # -- the network -------------------------------------------------------------------------
+
+    def _send(self, m: tuple[bool, str, int, bytes]) -> None:
+        self.flight.append(m)
+        self.flight.sort()
+
+    def _deliver(self, m: tuple[bool, str, int, bytes], *, replay: bool = False) -> None:
+        if not replay and self.scope.history:
+            if m in self.delivered:
+                self.delivered.remove(m)
+            self.delivered.append(m)
+            del self.delivered[: -self.scope.history]
+        to_pinner, engine, rank, data = m
+        msg = decode(data)
+        if to_pinner:
+            q = rank
+            now = self.now_p()
+            self._observe_heartbeat(q, now, msg)
+            if isinstance(msg, AccessDone):
+                self.done_heard.setdefault((msg.lease_id, q), set()).add((msg.engine_id, msg.rank, msg.attempt))
+            self._rec(f"P{q}", now, "receive", {"hex": data.hex()})
+            p = self.pinners[q]
+            self._pinner_out(q, self._call_p(q, lambda: p.receive(now, msg), local=False))
+        else:
+            acc = self.accessors[engine, rank]
+            now = self.now_a(engine)
+            self._rec(f"{engine}.{rank}", now, "receive", {"hex": data.hex()})
+            self._acc_out(engine, rank, self._call_a(engine, rank, lambda: acc.receive(now, msg), local=False))
+
+    def _observe_heartbeat(self, q: int, now: float, msg: object) -> None:
+        """The spec's expiry formula (PROTOCOL §5): a renewable lease's expiry becomes
+        ``max(expiry, now + E)`` on a heartbeat from the accessor it is held for, newer than any
+        that extended it, while ACTIVE and ``expiry > now``; nothing else moves it."""
+        if not isinstance(msg, Heartbeat) or msg.incarnation != INCARNATION:
+            return
+        p = self.pinners[q]
+        if q not in tp_layout(p.ranks, msg.ranks, msg.rank).targets:
+            return
+        for lid in msg.lease_ids:
+            info = p.info(lid)
+            spec = self.formula.get((lid, q))
+            if info is None or spec is None or info.state is not LeaseState.ACTIVE or spec <= now:
+                continue
+            if self.tracked_by.get(lid) != msg.engine_id:
+                continue
+            k = (lid, q, msg.engine_id, msg.rank)
+            if msg.seq <= self.hb_seq.get(k, 0):
+                continue
+            self.hb_seq[k] = msg.seq
+            if info.kind is LeaseKind.RENEWABLE:
+                self.formula[lid, q] = max(spec, now + self.cfg.lease_extension)
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def _pinner_out(self, q: int, outputs: tuple[PinnerOutput, ...]) -> None:
+        for o in outputs:
+            match o:
+                case Send():
+                    if o.rank is None:
+                        raise Violation(f"pinner rank {q} sent to every rank: {o!r}")
+                    self._send((False, o.engine_id, o.rank, encode(o.message)))
+                case Free():
+                    self._on_free(q, o)
+                case Rejected():
+                    pass
+                case _:
+                    assert_never(o)
+
+    def _acc_out(self, e: str, r: int, outputs: tuple[AccessorOutput, ...]) -> None:
+        for o in outputs:
+            match o:
+                case Send():
+                    if o.rank is None:
+                        raise Violation(f"{e}.{r} sent to every rank: {o!r}")
+                    self._send((True, o.engine_id, o.rank, encode(o.message)))
+                case HandshakeNeeded():
+                    self._send((True, o.engine_id, 0, encode(o.message)))
+                case AccessCompleted():
+                    self._on_completed(e, r, o)
+                case LeaseLost() | AccessStale() | Rejected():
+                    pass
+                case _:
+                    assert_never(o)
+
+    # -- audit -------------------------------------------------------------------------------
+
+    def _on_free(self, q: int, free: Free) -> None:
+        k = (free.lease_id, q)
+        if k in self.frees:
+            raise Violation(f"second Free of lease {free.lease_id} on pinner rank {q}: {free!r}")
+        self.frees[k] = (self.real, free)
+        for a in self.accesses.values():
+            if a.lease_id == free.lease_id and q in a.targets:
+                a.overlapped = True
+            if a.push and a.lease_id == free.lease_id and q in a.targets:
+                raise Violation(f"push lease {free.lease_id} freed on pinner rank {q} with a write in flight")
+        if free.reason is EndReason.EXPIRED:
+            spec = self.formula[k] + (self.cfg.push_guard if self.lease_kind[free.lease_id] == "push" else 0.0)
+            if float(free.at) < spec - TOL:
+                raise Violation(f"lease {free.lease_id} freed on rank {q} at {free.at}, before its expiry {spec}")
+
+    def _check_write(self, access: _Access) -> None:
+        if not access.push:
+            return
+        for q in access.targets:
+            freed = self.frees.get((access.lease_id, q))
+            if freed is not None and freed[0] < self.real:
+                raise Violation(f"push write into lease {access.lease_id} ran past its free on rank {q}")
+
+    def _on_completed(self, e: str, r: int, ev: AccessCompleted) -> None:
+        access = self.finished.get((e, r, ev.key))
+        if access is None or access.end is None:
+            raise Violation(f"AccessCompleted for {e}.{r} {ev.key!r} with no finished access")
+        if access.overlapped:
+            frees = [(q, self.frees[access.lease_id, q]) for q in access.targets if (access.lease_id, q) in self.frees]
+            raise Violation(
+                f"stale read reported done: {e}.{r} accessed {ev.key!r} (lease {access.lease_id}) during real "
+                f"[{access.begin:.6f}, {access.end:.6f}], but pinner rank(s) freed it before it ended: "
+                + ", ".join(f"rank {q} at {t:.6f} ({f.reason.value})" for q, (t, f) in frees)
+            )
+
+    def check(self) -> None:
+        """The state invariants, at this real instant."""
+        for q, p in enumerate(self.pinners):
+            nd = p.next_deadline()
+            for lid in p.live_ids():
+                info = p.info(lid)
+                assert info is not None
+                if (lid, q) in self.frees:
+                    raise Violation(f"lease {lid} is live on pinner rank {q} after its Free")
+                if nd is None or nd > info.expiry:
+                    raise Violation(f"pinner rank {q}: next_deadline {nd} is later than lease {lid}'s expiry")
+                spec = self.formula[lid, q]
+                if info.state is LeaseState.QUARANTINED:
+                    spec += self.cfg.push_guard
+                if info.expiry < spec - TOL:
+                    raise Violation(f"lease {lid} on rank {q}: expiry {info.expiry} earlier than the spec's {spec}")
+                if info.expiry > spec + TOL:
+                    raise Violation(
+                        f"lease {lid} on rank {q}: expiry {info.expiry} later than the spec's {spec} "
+                        "(extended by a message the spec does not let renew it)"
+                    )
+        p_ranks = len(self.pinners)
+        for (e, r), acc in self.accessors.items():
+            for key, ticket in self.tickets.items():
+                v = acc.valid_until(key)
+                if v is None:
+                    continue
+                v_real = self.real_of_a(e, v)
+                access = self.accesses.get((e, r, key)) or self.finished.get((e, r, key))
+                in_access = acc.state_of(key) is not TrackedState.WAITING
+                for q in tp_layout(p_ranks, acc.ranks, r).targets:
+                    limit: float | None = None
+                    freed = self.frees.get((ticket.lease_id, q))
+                    if freed is not None:
+                        heard = self.done_heard.get((ticket.lease_id, q), set())
+                        own = in_access and access is not None and (e, r, access.attempt) in heard
+                        if not own:
+                            limit = freed[0]
+                    else:
+                        info = self.pinners[q].info(ticket.lease_id)
+                        if info is not None:
+                            limit = self.real_of_p(info.expiry)
+                    if limit is not None and v_real > limit + TOL:
+                        raise Violation(
+                            f"{e}.{r} counts {key!r} (lease {ticket.lease_id}) valid until real {v_real:.6f}, past "
+                            f"pinner rank {q}'s {'free' if freed else 'expiry'} at {limit:.6f}"
+                        )
+
+
+# -- canonical views of the cores (read-only; kept out of the cores' hot paths) ----------------
+
+
+def _pinner_fp(p: Pinner) -> Hashable:
+    leases = tuple(
+        (lid, x.key, x.kind, x.expiry, x.expected, x.push, x.state, x.done, x.promised, x.released, x.accessor,
+         x.b_rank, x.b_session, x.b_seq,
+         None if x.more is None else tuple(sorted((k, tuple(v)) for k, v in x.more.items())))
+        for lid, x in p._leases.items()
+    )
+    tombs = tuple(
+        (lid, t.reason, t.accessor, t.done, None if t.sessions is None else tuple(sorted(t.sessions.items())))
+        for lid, t in p._tombstones.items()
+    )
+    return (p._next_id, leases, tuple(sorted(p._heap)), tombs)
+
+
+def _accessor_fp(a: Accessor) -> Hashable:
+    tracked = tuple(
+        (key, t.engine.engine_id, t.lease_id, t.incarnation, t.kind, t.push, t.state, t.tracked_at, t.valid_until,
+         t.held, t.attempt, t.confirm_deadline, tuple(sorted(t.confirm_pending)), t.attached_confirm,
+         None if t.early_verdicts is None else tuple(sorted(t.early_verdicts.items())))
+        for key, t in a._tracked.items()
+    )
+    engines = tuple(
+        (name, eng.connected, eng.incarnation, eng.ranks, tuple((k, t.key) for k, t in eng.leases.items()),
+         tuple(sorted(eng.deadlines.items())), tuple(sorted(eng.new_ids)), eng.next_heartbeat, eng.handshake_due,
+         tuple(eng.handshakes.items()),
+         tuple((s, o.t_send, o.incarnation, o.ids, tuple(sorted(o.pending_ranks)), tuple(sorted(o.missing)))
+               for s, o in eng.outstanding.items()),
+         eng.max_message_bytes, tuple(eng.clock._samples))
+        for name, eng in a._engines.items()
+    )
+    checks = tuple(sorted(a._checks))
+    return (a._seq, tracked, engines, checks, tuple(a._retired), tuple(sorted(a._retired_floor.items())))
+
+
+
+def describe(world: World, action: Action) -> str:
+    """One line for a schedule: the action, in words, as seen from `world` (before it)."""
+    name = action[0]
+    if name in ("deliver", "drop", "dup", "misroute"):
+        to_pinner, engine, rank, data = world.flight[action[1]]
+        msg = decode(data)
+        fields = []
+        for f in ("seq", "attempt", "lease_id", "lease_ids", "confirm", "to_rank", "renewed", "outcome"):
+            if hasattr(msg, f):
+                v = getattr(msg, f)
+                fields.append(f"{f}={getattr(v, 'name', v)}")
+        sender = f"{msg.engine_id}.{msg.rank}"
+        dest = f"P{rank}" if to_pinner else f"{engine}.{rank}"
+        what = f"{type(msg).__name__}({', '.join(fields)}) {sender} -> {dest}"
+        if name == "misroute":
+            alt = f"P{action[2]}" if to_pinner else f"{engine}.{action[2]}"
+            return f"misroute {what}, delivered to {alt}"
+        return f"{name} {what}"
+    if name == "replay":
+        to_pinner, engine, rank, data = world.delivered[action[1]]
+        dest = f"P{rank}" if to_pinner else f"{engine}.{rank}"
+        return f"replay {type(decode(data)).__name__} -> {dest}"
+    if name == "advance":
+        return f"advance real time to {action[1]:.6f}"
+    if name == "timeout":
+        who = f"P{action[2]}" if action[1] == "P" else f"{action[1]}.{action[2]}"
+        return f"handle_timeout {who}"
+    if name == "grant":
+        return f"grant k{world.granted + 1} ({action[1]}) on every pinner rank"
+    if name == "track":
+        return f"track {action[2]} on every rank of {action[1]}"
+    if name == "retrack":
+        return f"re-track given-up {action[3]} on {action[1]}.{action[2]}"
+    if name == "fail":
+        return f"access_failed {action[3]} on {action[1]}.{action[2]} ({action[4]})"
+    if name == "finish":
+        return f"access_finished {action[3]} on {action[1]}.{action[2]} (notified={action[4]})"
+    if name == "release":
+        return f"pinner release {action[1]}"
+    return " ".join(str(x) for x in action[:1]) + " " + ".".join(str(x) for x in action[1:])

@@ -1,0 +1,139 @@
+"""`kvlease check`: the exhaustive explorer finds each v1 hole, and nothing on the fixed core.
+
+Each hole test switches one v2 fix off through a test-only seam (a subclass of the real core:
+`kvlease.check._doubles`, built on `kvlease.sim._doubles`) and narrows the action families to
+those the hole needs, so breadth-first search reaches the schedule's depth in a second; the
+shortest schedule is printed and must be short and name the actions that matter. The fixed core
+is then explored over the CI scopes with every family on (drop and cross-engine misdelivery
+left out: dropping is holding forever, for safety), with zero violations.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvlease.check import CHECK_BUGS, Scope, explore, to_vector
+from kvlease.cli import main
+from kvlease.conformance import CoreImplementation, run_vector
+
+EVERY = frozenset({"grant", "release", "track", "retrack", "untrack", "begin", "finish", "fail", "disconnect",
+                   "drop", "dup", "misroute", "cross", "replay", "advance"})
+
+
+def _only(*families: str) -> frozenset[str]:
+    return EVERY - set(families)
+
+
+#: bug -> (scope, words the schedule must contain, most actions it may take)
+HOLES: dict[str, tuple[Scope, tuple[str, ...], int]] = {
+    "retrack": (
+        Scope(depth=12, without=_only("grant", "track", "deliver", "begin", "fail", "finish", "retrack")),
+        ("re-track given-up", "access_failed"), 11,
+    ),
+    "wrong-rank": (
+        Scope(pinner_ranks=2, accessor_ranks=2, depth=10, rates=(1.0, 1.0),
+              without=_only("grant", "track", "deliver", "untrack", "misroute")),
+        ("misroute Release", "untrack"), 10,
+    ),
+    "unbound-ack": (
+        Scope(leases=2, depth=15, rates=(1.0, 1.0),
+              without=_only("grant", "track", "deliver", "disconnect", "release")),
+        ("disconnect", "HeartbeatAck(seq=2"), 15,
+    ),
+    "retry-failed-transfer": (
+        Scope(depth=11, without=_only("grant", "track", "deliver", "begin", "fail", "finish")),
+        ("access_failed k1 on decode-0.0 (landed)",), 10,
+    ),
+    "renew-at-expiry": (
+        Scope(depth=8, without=_only("grant", "track", "deliver", "advance")),
+        ("advance real time", "deliver Heartbeat"), 8,
+    ),
+    "no-margin": (
+        Scope(depth=9, without=_only("grant", "track", "deliver", "advance")),
+        ("deliver HeartbeatAck",), 9,
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(HOLES))
+def test_each_v1_hole_is_found_with_a_short_schedule(bug: str) -> None:
+    scope, words, most = HOLES[bug]
+    pinner_cls, accessor_cls, hole = CHECK_BUGS[bug]
+    result = explore(scope, pinner_cls, accessor_cls)
+    cx = result.violation
+    assert cx is not None, f"{bug} ({hole}) not found in {result.states} states"
+    print(f"\n{bug}: {hole}\n  {cx.message}\n  " + "\n  ".join(cx.schedule))
+    assert len(cx.actions) <= most
+    text = "\n".join(cx.schedule)
+    for w in words:
+        assert w in text, f"{w!r} not in the schedule:\n{text}"
+    assert any(k in cx.message for k in ("stale read", "valid until", "later than the spec", "second Free"))
+
+
+def test_the_same_scopes_are_clean_on_the_fixed_core() -> None:
+    """The narrowed scopes above find nothing on the real core (the doubles are the cause)."""
+    for bug, (scope, _, _) in sorted(HOLES.items()):
+        result = explore(scope)
+        assert result.violation is None, (bug, result.violation)
+
+
+#: The CI scopes: every action family but drop (subsumed by holding a message forever) and
+#: cross-engine misdelivery (one engine), all clock-rate extremes, exhaustive to the depth.
+CI_SCOPES = [
+    Scope(depth=8, without=frozenset({"drop", "cross"})),
+    Scope(depth=6, kinds=("renewable", "fixed", "push"), without=frozenset({"drop", "cross"})),
+    Scope(pinner_ranks=2, accessor_ranks=2, depth=6, without=frozenset({"drop", "cross"})),
+    Scope(pinner_ranks=1, accessor_ranks=2, depth=5, without=frozenset({"drop", "cross"})),
+]
+
+
+def test_fixed_core_has_no_violation_in_the_ci_scope() -> None:
+    t0 = time.perf_counter()
+    total = 0
+    for scope in CI_SCOPES:
+        result = explore(scope)
+        assert result.violation is None, (scope, result.violation)
+        assert not result.truncated
+        assert result.depth_reached == scope.depth or result.exhausted
+        print(f"\n{scope.pinner_ranks}x{scope.accessor_ranks} kinds={scope.kinds} depth={scope.depth}: "
+              f"{result.states:,} states, {result.transitions:,} transitions")
+        total += result.states
+    wall = time.perf_counter() - t0
+    print(f"CI scope: {total:,} states in {wall:.1f} s")
+    assert total > 150_000  # non-trivial: the happy path, faults and time all branch
+    assert wall < 180
+
+
+def test_violation_becomes_a_vector_the_conformance_runner_replays(tmp_path: Path) -> None:
+    scope, _, _ = HOLES["retry-failed-transfer"]
+    pinner_cls, accessor_cls, _ = CHECK_BUGS["retry-failed-transfer"]
+    cx = explore(scope, pinner_cls, accessor_cls).violation
+    assert cx is not None
+    vector = to_vector(scope, cx, "check_retry", pinner_cls, accessor_cls)
+    assert vector["kind"] == "trace" and len(vector["steps"]) >= len(cx.actions)
+    assert {s["op"] for s in vector["steps"]} >= {"grant", "track", "receive", "begin_access", "access_failed"}
+    result = run_vector(json.loads(json.dumps(vector)), CoreImplementation())
+    assert result.passed, result
+
+
+def test_cli_writes_the_candidate_and_conformance_replays_it(tmp_path: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(main, [
+        "check", "--inject-bug", "renew-at-expiry", "--depth", "8", "--json", "--out", str(tmp_path),
+        "--without", "drop,dup,misroute,cross,replay,release,untrack,retrack,begin,finish,fail,disconnect",
+    ])
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.output)
+    assert out["violations"] == 1 and out["states"] > 0 and out["wall_s"] >= 0
+    assert any("advance real time" in line for line in out["violation"]["schedule"])
+    assert Path(out["vector"]).exists()
+    rep = runner.invoke(main, ["conformance", "--vectors", str(tmp_path)])
+    assert rep.exit_code == 0, rep.output
+    clean = runner.invoke(main, ["check", "--depth", "4"])
+    assert clean.exit_code == 0, clean.output
+    assert "violations: 0" in clean.output
