@@ -22,7 +22,7 @@ from kvlease.cli import main
 from kvlease.conformance import CoreImplementation, run_vector
 
 EVERY = frozenset({"grant", "release", "track", "retrack", "untrack", "begin", "finish", "fail", "disconnect",
-                   "drop", "dup", "misroute", "cross", "replay", "advance"})
+                   "drop", "dup", "misroute", "cross", "replay", "advance", "restart"})
 
 
 def _only(*families: str) -> frozenset[str]:
@@ -107,6 +107,27 @@ def test_fixed_core_has_no_violation_in_the_ci_scope() -> None:
     print(f"CI scope: {total:,} states in {wall:.1f} s")
     assert total > 150_000  # non-trivial: the happy path, faults and time all branch
     assert wall < 180
+
+
+def test_unbound_handshake_late_duplicate_after_a_pinner_restart_is_found() -> None:
+    """The sixth hole needs a pinner restart: a late duplicate of the OLD incarnation's handshake
+    reply, accepted after the accessor re-handshook, drops the new incarnation's lease."""
+    scope = Scope(leases=2, depth=10, restarts=1, rates=(1.0, 1.0),
+                  without=_only("grant", "track", "deliver", "dup", "release", "restart"))
+    pinner_cls, accessor_cls, hole = CHECK_BUGS["unbound-handshake"]
+    t0 = time.perf_counter()
+    cx = explore(scope, pinner_cls, accessor_cls).violation
+    assert cx is not None, hole
+    print(f"\nunbound-handshake: {hole}\n  {cx.message}\n  " + "\n  ".join(cx.schedule))
+    assert len(cx.actions) <= 10
+    text = "\n".join(cx.schedule)
+    for w in ("pinner restart", "dup HandshakeReply", "track k2"):
+        assert w in text, f"{w!r} not in the schedule:\n{text}"
+    assert "late duplicate of a handshake reply" in cx.message
+    clean = explore(scope)
+    assert clean.violation is None, clean.violation
+    assert clean.depth_reached == scope.depth and not clean.truncated
+    assert time.perf_counter() - t0 < 30
 
 
 def test_violation_becomes_a_vector_the_conformance_runner_replays(tmp_path: Path) -> None:

@@ -417,6 +417,9 @@ def test_model_catches_each_v1_hole(name: str) -> None:
                 deadline=None,
                 phases=[Phase.generate],
                 database=None,
+                # A fixed sequence of examples: the search either finds the break on every run
+                # or on none (a random one found it in most runs, not all, in 3,000 examples).
+                derandomize=True,
             ),
         )
     found = list(caught.value.exceptions) if isinstance(caught.value, ExceptionGroup) else [caught.value]

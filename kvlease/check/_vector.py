@@ -42,7 +42,7 @@ def to_vector(
         until=float("inf"),
     )
     vector["epochs"] = {
-        **{f"P{q}": world.epochs[0] for q in range(len(world.pinners))},
+        **{name: world.epochs[0] for name, ep in world.endpoints().items() if ep["role"] == "pinner"},
         **{f"{e}.{r}": world.epochs[1 + int(e.rsplit('-', 1)[1])] for e, r in world.accessors},
     }
     vector["epochs_note"] = f"clock rates (pinner, accessor engines): {list(cx.rates)}"

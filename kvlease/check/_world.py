@@ -41,13 +41,21 @@ from .._events import (
     Send,
 )
 from .._layout import tp_layout
-from .._messages import AccessDone, Heartbeat, LeaseKind, LeaseTicket
+from .._messages import AccessDone, HandshakeReply, Heartbeat, LeaseKind, LeaseTicket
 from .._pinner import LeaseState, Pinner
 
 __all__ = ["Action", "Scope", "Violation", "World"]
 
 PINNER = "prefill-0"
 INCARNATION = 0x5EED0001
+#: World lease ids: a pinner's id plus this times its incarnation's generation (0, then 1 after a
+#: restart), so the audit tells a restarted pinner's reused ids from its old incarnation's.
+GEN = 1_000_000
+
+
+def glid(incarnation: int, lease_id: int) -> int:
+    """The world's id of lease `lease_id` of pinner incarnation `incarnation`."""
+    return lease_id + GEN * (incarnation - INCARNATION)
 #: How far before / after an instant that matters a time advance lands, real seconds. Far above
 #: float rounding at the epochs used (~1e5 s), far below every protocol timing.
 DELTA = 1e-5
@@ -88,6 +96,8 @@ class Scope:
     without: frozenset[str] = frozenset()
     rates: tuple[float, ...] | None = None
     config: LeaseConfig = attrs.field(factory=lambda: CHECK_CONFIG)
+    #: Pinner restarts allowed per run (0 or 1): the "restart" action.
+    restarts: int = 0
 
     def rate_choices(self) -> list[tuple[float, ...]]:
         """Every combination of extreme rates (pinner, accessor engines...), or the one given."""
@@ -98,6 +108,11 @@ class Scope:
         for _ in range(1 + self.engines):
             out = [(*r, x) for r in out for x in (1.0 - rho, 1.0 + rho)]
         return out
+
+
+def _pname(q: int, generation: int) -> str:
+    """A pinner rank's endpoint name in recorded vectors (a restarted incarnation is another)."""
+    return f"P{q}" if generation == 0 else f"P{q}.r{generation}"
 
 
 def engine_name(i: int) -> str:
@@ -113,7 +128,7 @@ class _Access:
     engine: str
     rank: int
     key: str
-    lease_id: int
+    lease_id: int  # the world's id (`glid`)
     begin: float
     targets: tuple[int, ...]
     notification: bytes
@@ -145,6 +160,9 @@ class World:
         self.epochs = [91_000.0] + [12_345.5 + 40_000.0 * i for i in range(scope.engines)]
         self.rates = rates
         p = scope.pinner_ranks
+        self.pinner_cls = pinner_cls
+        self.incarnation = INCARNATION
+        self.restarted_at: list[float] = []  # real instants of pinner restarts
         self.pinners = [pinner_cls(cfg, PINNER, INCARNATION, rank=q, ranks=p) for q in range(p)]
         self.engine_ranks = {engine_name(i): scope.accessor_ranks for i in range(scope.engines)}
         self.accessors: dict[tuple[str, int], Accessor] = {}
@@ -158,10 +176,12 @@ class World:
         self.delivered: list[tuple[bool, str, int, bytes]] = []
         # Engine-side bookkeeping.
         self.tickets: dict[str, LeaseTicket] = {}  # request key -> ticket
-        self.lease_kind: dict[int, str] = {}  # lease id -> "renewable" | "fixed" | "push"
-        self.tracked_by: dict[int, str] = {}  # lease id -> the accessor engine that tracked it
+        # Ground truth below is keyed by the world's lease id (`glid`), not the pinner's.
+        self.lease_kind: dict[int, str] = {}  # lease -> "renewable" | "fixed" | "push"
+        self.tracked_by: dict[int, str] = {}  # lease -> the accessor engine that tracked it
         self.retracks = 0
         self.granted = 0
+        self.next_lid = 0  # the pinner's last lease id (restarts at 0 with the incarnation)
         # Ground truth (real time / pinner clock).
         self.frees: dict[tuple[int, int], tuple[float, Free]] = {}
         self.formula: dict[tuple[int, int], float] = {}  # (lease, rank) -> spec expiry, pinner clock
@@ -169,6 +189,8 @@ class World:
         self.done_heard: dict[tuple[int, int], set[tuple[str, int, int]]] = {}
         self.accesses: dict[tuple[str, int, str], _Access] = {}
         self.finished: dict[tuple[str, int, str], _Access] = {}
+        #: (accessor engine, rank, reply bytes) of every handshake reply delivered (audit of stale duplicates).
+        self.replies_heard: set[tuple[str, int, bytes]] = set()
         self.last_advance = False
         self.record: list[dict[str, Any]] | None = [] if record else None
 
@@ -192,9 +214,10 @@ class World:
 
     def endpoints(self) -> dict[str, dict[str, Any]]:
         eps: dict[str, dict[str, Any]] = {}
-        for q in range(len(self.pinners)):
-            eps[f"P{q}"] = {"role": "pinner", "engine_id": PINNER, "incarnation": INCARNATION, "rank": q,
-                            "ranks": len(self.pinners)}
+        for g in range(len(self.restarted_at) + 1):
+            for q in range(len(self.pinners)):
+                eps[_pname(q, g)] = {"role": "pinner", "engine_id": PINNER, "incarnation": INCARNATION + g, "rank": q,
+                                     "ranks": len(self.pinners)}
         for (e, r), acc in self.accessors.items():
             eps[f"{e}.{r}"] = {"role": "accessor", "engine_id": e, "rank": r, "ranks": acc.ranks,
                                "session": acc.session}
@@ -218,12 +241,15 @@ class World:
         return (
             self.real,
             self.rates,
+            self.incarnation,
+            tuple(self.restarted_at),
             tuple(_pinner_fp(p) for p in self.pinners),
             tuple(_accessor_fp(a) for a in self.accessors.values()),
             tuple(self.flight),
             tuple(self.delivered),
             tuple(sorted(self.tickets.items(), key=lambda kv: kv[0])),
             tuple(sorted(self.tracked_by.items())),
+            tuple(sorted(self.replies_heard)),
             tuple(sorted((k, v[0], v[1].reason) for k, v in self.frees.items())),
             tuple(sorted(self.formula.items())),
             tuple(sorted(self.hb_seq.items())),
@@ -241,11 +267,16 @@ class World:
         no = sc.without
         if self.granted < sc.leases and "grant" not in no:
             out.extend(("grant", k) for k in sc.kinds)
+        if len(self.restarted_at) < sc.restarts and "restart" not in no and self._may_restart():
+            out.append(("restart",))
         for key, ticket in sorted(self.tickets.items()):
-            lid = ticket.lease_id
+            lid = glid(ticket.incarnation, ticket.lease_id)
             if "#" in key:
                 continue
-            if "release" not in no and any(p.info(lid) is not None for p in self.pinners):
+            if (
+                "release" not in no and ticket.incarnation == self.incarnation
+                and any(p.info(ticket.lease_id) is not None for p in self.pinners)
+            ):
                 out.append(("release", key))
             if lid not in self.tracked_by and "track" not in no:
                 out.extend(("track", e, key) for e in self.engine_ranks)
@@ -253,7 +284,7 @@ class World:
             for key in sorted(self.tickets):
                 state = acc.state_of(key)
                 base = key.split("#")[0]
-                lid = self.tickets[key].lease_id
+                lid = glid(self.tickets[key].incarnation, self.tickets[key].lease_id)
                 if state is None and "retrack" not in no and "#" not in key and self.tracked_by.get(lid) == e:
                     out.append(("retrack", e, r, base))
                 if state in (TrackedState.WAITING, TrackedState.CONFIRMING) and "untrack" not in no:
@@ -334,13 +365,15 @@ class World:
         match action[0]:
             case "grant":
                 self._grant(action[1])
+            case "restart":
+                self._restart()
             case "release":
                 lid = self.tickets[action[1]].lease_id
                 for q in range(len(self.pinners)):
                     self._release(q, lid)
             case "track":
                 _, e, key = action
-                self.tracked_by[self.tickets[key].lease_id] = e
+                self.tracked_by[glid(self.tickets[key].incarnation, self.tickets[key].lease_id)] = e
                 for r in range(self.engine_ranks[e]):
                     self._track(e, r, key, key)
             case "retrack":
@@ -390,37 +423,72 @@ class World:
                 raise ValueError(f"unknown action {other!r}")
         self.check()
 
+    # -- pinner restart ----------------------------------------------------------------------
+
+    def _may_restart(self) -> bool:
+        """A restart destroys the old incarnation's memory, which no protocol can warn an
+        accessor of in time: a lease an accessor may already count valid is out of the
+        protocol's reach. So the pinner restarts only when every lease still live on it was never
+        tracked (no heartbeat, ack or access can name it) and no access is in flight."""
+        if self.accesses:
+            return False
+        return all(glid(self.incarnation, pid) not in self.tracked_by for p in self.pinners for pid in p.live_ids())
+
+    def _restart(self) -> None:
+        """The pinner engine's workers are replaced by new ones: a new incarnation, the same
+        engine id and ranks, lease ids from 1 again. Messages in flight stay in the network.
+        Every lease still live on the old incarnation counts as freed at this instant."""
+        for q, p in enumerate(self.pinners):
+            for pid in p.live_ids():
+                info = p.info(pid)
+                assert info is not None
+                k = (glid(self.incarnation, pid), q)
+                if k in self.frees:
+                    raise Violation(f"lease {pid} is live on pinner rank {q} after its Free")
+                self.frees[k] = (self.real, Free(pid, info.key, EndReason.RELEASED, self.now_p()))
+        self.restarted_at.append(self.real)
+        self.incarnation += 1
+        self.next_lid = 0
+        n = len(self.pinners)
+        self.pinners = [self.pinner_cls(self.cfg, PINNER, self.incarnation, rank=q, ranks=n) for q in range(n)]
+
+    def _pn(self, q: int) -> str:
+        return _pname(q, len(self.restarted_at))
+
     # -- engine actions ----------------------------------------------------------------------
 
     def _grant(self, kind: str) -> None:
         self.granted += 1
+        self.next_lid += 1
+        lid = self.next_lid
+        g = glid(self.incarnation, lid)
         key = f"k{self.granted}"
         now = self.now_p()
         lk = LeaseKind.FIXED_TTL if kind == "fixed" else LeaseKind.RENEWABLE
         push = kind == "push"
         ticket: LeaseTicket | None = None
         for q, p in enumerate(self.pinners):
-            args: dict[str, Any] = {"key": key, "kind": lk.value, "push": push, "lease_id": self.granted}
-            self._rec(f"P{q}", now, "grant", args)
-            t = p.grant(now, key, kind=lk, push=push, lease_id=self.granted)
+            args: dict[str, Any] = {"key": key, "kind": lk.value, "push": push, "lease_id": lid}
+            self._rec(self._pn(q), now, "grant", args)
+            t = p.grant(now, key, kind=lk, push=push, lease_id=lid)
             ticket = ticket or t
             duration = self.cfg.decoder_kv_blocks_ttl if lk is LeaseKind.FIXED_TTL else self.cfg.kv_lease_duration
-            self.formula[self.granted, q] = now + duration
+            self.formula[g, q] = now + duration
         assert ticket is not None
         self.tickets[key] = LeaseTicket.from_dict(ticket.to_dict())  # travels as transfer parameters
-        self.lease_kind[self.granted] = kind
+        self.lease_kind[g] = kind
 
     def _release(self, q: int, lid: int) -> None:
         p = self.pinners[q]
         now = self.now_p()
-        self._rec(f"P{q}", now, "release", {"lease_id": lid})
+        self._rec(self._pn(q), now, "release", {"lease_id": lid})
         self._pinner_out(q, self._call_p(q, lambda: p.release(now, lid)))
 
     def _track(self, e: str, r: int, key: str, base: str) -> None:
         acc = self.accessors[e, r]
         now = self.now_a(e)
         ticket = self.tickets[base]
-        push = self.lease_kind[ticket.lease_id] == "push"
+        push = self.lease_kind[glid(ticket.incarnation, ticket.lease_id)] == "push"
         self._rec(f"{e}.{r}", now, "track", {"key": key, "ticket": ticket.to_dict(), "push": push})
         self._acc_out(e, r, self._call_a(e, r, lambda: acc.track(now, key, ticket, push=push)))
 
@@ -431,7 +499,7 @@ class World:
         d = acc.begin_access(now, key)
         if d.allowed:
             assert d.notification is not None
-            lid = d.notification.lease_id
+            lid = glid(d.notification.incarnation, d.notification.lease_id)
             self.accesses[e, r, key] = _Access(
                 e, r, key, lid, self.real, d.targets, encode(d.notification), d.notification.attempt,
                 self.lease_kind[lid] == "push",
@@ -468,7 +536,7 @@ class World:
         if who == "P":
             p = self.pinners[idx]
             now = self.now_p()
-            self._rec(f"P{idx}", now, "handle_timeout")
+            self._rec(self._pn(idx), now, "handle_timeout")
             outs = p.handle_timeout(now)
             after = p.next_deadline()
             if after is not None and after <= now:
@@ -536,27 +604,43 @@ class World:
             now = self.now_p()
             self._observe_heartbeat(q, now, msg)
             if isinstance(msg, AccessDone):
-                self.done_heard.setdefault((msg.lease_id, q), set()).add((msg.engine_id, msg.rank, msg.attempt))
-            self._rec(f"P{q}", now, "receive", {"hex": data.hex()})
+                done = self.done_heard.setdefault((glid(msg.incarnation, msg.lease_id), q), set())
+                done.add((msg.engine_id, msg.rank, msg.attempt))
+            self._rec(self._pn(q), now, "receive", {"hex": data.hex()})
             p = self.pinners[q]
             self._pinner_out(q, self._call_p(q, lambda: p.receive(now, msg), local=False))
         else:
             acc = self.accessors[engine, rank]
             now = self.now_a(engine)
             self._rec(f"{engine}.{rank}", now, "receive", {"hex": data.hex()})
-            self._acc_out(engine, rank, self._call_a(engine, rank, lambda: acc.receive(now, msg), local=False))
+            outs = self._call_a(engine, rank, lambda: acc.receive(now, msg), local=False)
+            if isinstance(msg, HandshakeReply):
+                heard = (engine, rank, data)
+                if heard in self.replies_heard:
+                    lost = [
+                        o for o in outs
+                        if isinstance(o, LeaseLost) and self.tickets[o.key].incarnation == self.incarnation
+                    ]
+                    if lost:  # leases of the live incarnation: a stale reply reverted the engine
+                        raise Violation(
+                            f"a late duplicate of a handshake reply {engine}.{rank} already received (pinner "
+                            f"incarnation {msg.incarnation:#x}, seq {msg.seq}) dropped live lease(s): {lost!r}"
+                        )
+                self.replies_heard.add(heard)
+            self._acc_out(engine, rank, outs)
 
     def _observe_heartbeat(self, q: int, now: float, msg: object) -> None:
         """The spec's expiry formula (PROTOCOL §5): a renewable lease's expiry becomes
         ``max(expiry, now + E)`` on a heartbeat from the accessor it is held for, newer than any
         that extended it, while ACTIVE and ``expiry > now``; nothing else moves it."""
-        if not isinstance(msg, Heartbeat) or msg.incarnation != INCARNATION:
+        if not isinstance(msg, Heartbeat) or msg.incarnation != self.incarnation:
             return
         p = self.pinners[q]
         if q not in tp_layout(p.ranks, msg.ranks, msg.rank).targets:
             return
-        for lid in msg.lease_ids:
-            info = p.info(lid)
+        for pid in msg.lease_ids:
+            info = p.info(pid)
+            lid = glid(msg.incarnation, pid)
             spec = self.formula.get((lid, q))
             if info is None or spec is None or info.state is not LeaseState.ACTIVE or spec <= now:
                 continue
@@ -604,17 +688,18 @@ class World:
     # -- audit -------------------------------------------------------------------------------
 
     def _on_free(self, q: int, free: Free) -> None:
-        k = (free.lease_id, q)
+        lid = glid(self.incarnation, free.lease_id)
+        k = (lid, q)
         if k in self.frees:
             raise Violation(f"second Free of lease {free.lease_id} on pinner rank {q}: {free!r}")
         self.frees[k] = (self.real, free)
         for a in self.accesses.values():
-            if a.lease_id == free.lease_id and q in a.targets:
+            if a.lease_id == lid and q in a.targets:
                 a.overlapped = True
-            if a.push and a.lease_id == free.lease_id and q in a.targets:
+            if a.push and a.lease_id == lid and q in a.targets:
                 raise Violation(f"push lease {free.lease_id} freed on pinner rank {q} with a write in flight")
         if free.reason is EndReason.EXPIRED:
-            spec = self.formula[k] + (self.cfg.push_guard if self.lease_kind[free.lease_id] == "push" else 0.0)
+            spec = self.formula[k] + (self.cfg.push_guard if self.lease_kind[lid] == "push" else 0.0)
             if float(free.at) < spec - TOL:
                 raise Violation(f"lease {free.lease_id} freed on rank {q} at {free.at}, before its expiry {spec}")
 
@@ -642,9 +727,10 @@ class World:
         """The state invariants, at this real instant."""
         for q, p in enumerate(self.pinners):
             nd = p.next_deadline()
-            for lid in p.live_ids():
-                info = p.info(lid)
+            for pid in p.live_ids():
+                info = p.info(pid)
                 assert info is not None
+                lid = glid(self.incarnation, pid)
                 if (lid, q) in self.frees:
                     raise Violation(f"lease {lid} is live on pinner rank {q} after its Free")
                 if nd is None or nd > info.expiry:
@@ -665,18 +751,19 @@ class World:
                 v = acc.valid_until(key)
                 if v is None:
                     continue
+                lid = glid(ticket.incarnation, ticket.lease_id)
                 v_real = self.real_of_a(e, v)
                 access = self.accesses.get((e, r, key)) or self.finished.get((e, r, key))
                 in_access = acc.state_of(key) is not TrackedState.WAITING
                 for q in tp_layout(p_ranks, acc.ranks, r).targets:
                     limit: float | None = None
-                    freed = self.frees.get((ticket.lease_id, q))
+                    freed = self.frees.get((lid, q))
                     if freed is not None:
-                        heard = self.done_heard.get((ticket.lease_id, q), set())
+                        heard = self.done_heard.get((lid, q), set())
                         own = in_access and access is not None and (e, r, access.attempt) in heard
                         if not own:
                             limit = freed[0]
-                    else:
+                    elif ticket.incarnation == self.incarnation:
                         info = self.pinners[q].info(ticket.lease_id)
                         if info is not None:
                             limit = self.real_of_p(info.expiry)
@@ -764,4 +851,6 @@ def describe(world: World, action: Action) -> str:
         return f"access_finished {action[3]} on {action[1]}.{action[2]} (notified={action[4]})"
     if name == "release":
         return f"pinner release {action[1]}"
+    if name == "restart":
+        return f"pinner restart: new incarnation {world.incarnation + 1:#x}, lease ids from 1"
     return " ".join(str(x) for x in action[:1]) + " " + ".".join(str(x) for x in action[1:])

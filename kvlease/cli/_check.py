@@ -18,7 +18,7 @@ from ..check import CHECK_BUGS, KINDS, Scope, explore, to_vector
 __all__ = ["check"]
 
 _FAMILIES = ("grant", "release", "track", "retrack", "untrack", "begin", "finish", "fail", "disconnect",
-             "drop", "dup", "misroute", "cross", "replay", "advance")
+             "drop", "dup", "misroute", "cross", "replay", "advance", "restart")
 
 
 def _ranks(value: int) -> int:
@@ -38,6 +38,8 @@ def _ranks(value: int) -> int:
               help="Delivered messages kept for stale replays.")
 @click.option("--without", default="drop,cross", show_default=True,
               help=f"Action families left out (comma-separated, of {', '.join(_FAMILIES)}; 'none' for none).")
+@click.option("--restarts", type=click.IntRange(0, 1), default=0, show_default=True,
+              help="Pinner restarts per schedule (a new incarnation; lease ids start again at 1).")
 @click.option("--inject-bug", type=click.Choice(sorted(CHECK_BUGS)), default=None,
               help="Run against a core with one v2 fix switched off.")
 @click.option("--max-states", type=int, default=None, help="Stop after this many states (a lower bound).")
@@ -46,7 +48,8 @@ def _ranks(value: int) -> int:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def check(
     pinner_ranks: int, accessor_ranks: int, engines: int, leases: int, kinds: str, depth: int, history: int,
-    without: str, inject_bug: str | None, max_states: int | None, out_dir: Path | None, as_json: bool,
+    without: str, restarts: int, inject_bug: str | None, max_states: int | None, out_dir: Path | None,
+    as_json: bool,
 ) -> None:
     """Explore every schedule of the real core up to --depth actions; exit 1 on a violation."""
     if pinner_ranks % accessor_ranks and accessor_ranks % pinner_ranks:
@@ -58,7 +61,7 @@ def check(
     left_out = frozenset() if without in ("", "none") else frozenset(w.strip() for w in without.split(","))
     if left_out - set(_FAMILIES):
         raise click.BadParameter(f"unknown action families {sorted(left_out - set(_FAMILIES))}")
-    scope = Scope(pinner_ranks, accessor_ranks, engines, leases, kind_list, depth, history, left_out)
+    scope = Scope(pinner_ranks, accessor_ranks, engines, leases, kind_list, depth, history, left_out, restarts=restarts)
     pinner_cls, accessor_cls, hole = CHECK_BUGS[inject_bug] if inject_bug else (None, None, "")
     t0 = time.perf_counter()
     result = explore(scope, *(() if pinner_cls is None else (pinner_cls, accessor_cls)), max_states=max_states)
