@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import attrs
 
-from .._accessor import Accessor, _PinnerEngine
+from .._accessor import Accessor
 from .._clock import LocalTime
 from .._events import AccessorOutput
-from .._messages import AccessDoneAck, HandshakeReply, HeartbeatAck, Message
+from .._messages import AccessDoneAck, HeartbeatAck, Message
 from .._pinner import Pinner
 from ..sim._doubles import (
     ForgetfulAccessor,
@@ -23,24 +23,11 @@ from ..sim._doubles import (
     NoRankCheckPinner,
     RenewAtExpiryPinner,
     RetryAfterPostedFailureAccessor,
+    UnboundHandshakeAccessor,
     no_drift_margin_accessor,
 )
 
 __all__ = ["CHECK_BUGS", "UnboundAckAccessor", "UnboundHandshakeAccessor"]
-
-
-class UnboundHandshakeAccessor(Accessor):
-    """v1: a handshake reply counts whatever it answers (another rank's or session's, a
-    duplicate, one for a handshake already answered)."""
-
-    def handshake_reply(self, now: LocalTime, reply: HandshakeReply) -> tuple[AccessorOutput, ...]:
-        reply = attrs.evolve(reply, to_rank=self.rank, to_session=self.session)
-        eng = self._engines.get(reply.engine_id)
-        if eng is None:
-            eng = self._engines[reply.engine_id] = _PinnerEngine(reply.engine_id, self.config, reply.ranks)
-        if eng.handshakes.get(reply.seq) != reply.t_echo:
-            eng.handshakes[reply.seq] = reply.t_echo  # as if it answered one of ours
-        return super().handshake_reply(now, reply)
 
 
 class UnboundAckAccessor(Accessor):

@@ -31,6 +31,7 @@ __all__ = [
     "NoRankCheckPinner",
     "RenewAtExpiryPinner",
     "RetryAfterPostedFailureAccessor",
+    "UnboundHandshakeAccessor",
     "UnboundRepliesAccessor",
     "long_lease_pinner",
     "no_drift_margin_accessor",
@@ -79,11 +80,9 @@ class ForgetfulAccessor(Accessor):
         return
 
 
-class UnboundRepliesAccessor(Accessor):
-    """v1: trusts a reply whatever it is bound to: a handshake reply that answers none of its
-    outstanding handshakes (a duplicate, a stale one from before a restart, one for a sibling
-    rank), and acks and verdicts addressed to another rank or session, or (verdicts) to another
-    access attempt."""
+class UnboundHandshakeAccessor(Accessor):
+    """v1: a handshake reply counts whatever it answers (another rank's or session's, a
+    duplicate, a stale one from before a restart, one for a handshake already answered)."""
 
     def handshake_reply(self, now: LocalTime, reply: HandshakeReply) -> tuple[AccessorOutput, ...]:
         reply = attrs.evolve(reply, to_rank=self.rank, to_session=self.session)
@@ -93,6 +92,11 @@ class UnboundRepliesAccessor(Accessor):
         if eng.handshakes.get(reply.seq) != reply.t_echo:
             eng.handshakes[reply.seq] = reply.t_echo  # as if it answered one of ours
         return super().handshake_reply(now, reply)
+
+
+class UnboundRepliesAccessor(UnboundHandshakeAccessor):
+    """v1: trusts a reply whatever it is bound to: handshake replies (as above), and acks and
+    verdicts addressed to another rank or session, or (verdicts) to another access attempt."""
 
     def receive(self, now: LocalTime, message: Message) -> tuple[AccessorOutput, ...]:
         if isinstance(message, HeartbeatAck):
