@@ -27,12 +27,24 @@ setup() {
   fi
 }
 
+# The engine environments for the adapter tests: vLLM and SGLang pin their own torch builds, so
+# each gets a venv of its own (.venv-vllm, .venv-sglang), created and kept up to date by
+# engines/<name>/setup.sh (a no-op when its inputs have not changed).
+engines() {
+  local s
+  for s in engines/*/setup.sh; do
+    [ -f "$s" ] || continue
+    bash "$s"
+  done
+}
+
 cmd=${1:-test}
 [ $# -gt 0 ] && shift
 setup
 case "$cmd" in
-  env) ;;
+  env) engines ;;
   test)
+    engines
     if [ $# -gt 0 ]; then  # a selection of tests: no coverage gate
       exec "$VENV/bin/python" -m pytest "$@"
     fi
