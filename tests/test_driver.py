@@ -384,3 +384,146 @@ def test_attached_confirmation_is_answered_even_when_the_answer_races_the_comple
         assert not [m for m in t.sent if isinstance(m, AccessDone)]
     finally:
         d.close()
+
+
+# -- the driver as an engine embeds it -------------------------------------------------------
+
+
+def test_driver_errors_are_kvlease_errors() -> None:
+    """Misuse and the unreachable hint sit under KvLeaseError, so one except catches them."""
+    from kvlease import KvLeaseError, LocalProtocolError
+    from kvlease.transports import PeerUnreachable
+
+    t = ZmqTransport("X")
+    try:
+        with pytest.raises(LocalProtocolError, match="pinner, an accessor"):
+            Driver(t)
+        pinner_only = Driver(t, pinner=Pinner(CFG, "X", 1))
+        with pytest.raises(KvLeaseError, match="no accessor"):
+            pinner_only.untrack("k")
+        with pytest.raises(KvLeaseError, match="no pinner"):
+            Driver(t, accessor=Accessor(CFG, "X", session=1)).release(1)
+        assert issubclass(PeerUnreachable, KvLeaseError)
+    finally:
+        t.close()
+
+
+def test_a_buffer_mismatch_raises_and_leaves_the_lease_as_it_was(pinner_side: Driver) -> None:
+    """Where the access goes and which ranks it targets come from the core's decision; a
+    caller's mistake is refused before anything is posted, and the lease stays usable."""
+    from kvlease import LocalProtocolError
+
+    p = pinner_side
+    region = bytearray(b"\x07") * 256
+    p.transport.register("k", region)
+    d = _accessor()
+    events: list[DriverEvent] = []
+    try:
+        d.track("k", p.grant("k"), address=p.transport.address)
+        events += _pump([p, d], lambda: d.stats.heartbeat_acks_received >= 1)
+        with pytest.raises(LocalProtocolError, match=r"targets \[0\]"):
+            d.read("k", "k", {0: bytearray(256), 1: bytearray(256)})
+        into = bytearray(256)
+        decision = d.read("k", "k", into)
+        assert decision.allowed and decision.engine_id == "P" and decision.targets == (0,)
+        _pump([p, d], lambda: any(isinstance(e, AccessCompleted) for e in events), events=events)
+        assert into == region
+    finally:
+        d.close()
+
+
+def test_next_deadline_includes_the_engine_ttl_of_an_unanswered_peer() -> None:
+    """`step` declares a silent peer dead at unanswered_since + engine_ttl: `next_deadline`
+    says so, so a caller that sleeps until it is not late for that."""
+    clock = FakeClock()
+    d = _accessor(clock, engine_ttl=4.0)
+    try:
+        t0 = clock.t
+        d.connect("P", "tcp://127.0.0.1:9")  # nobody listens: the handshake goes unanswered
+        deadline = d.next_deadline()
+        assert deadline is not None and deadline <= t0 + 4.0
+        # Step with fake time only at the deadlines the driver names: the peer is declared
+        # dead at the first step at or after t0 + 4 s, never later.
+        events: list[DriverEvent] = []
+        for _ in range(200):
+            nd = d.next_deadline()
+            assert nd is not None
+            clock.t = max(clock.t, nd)
+            events += d.step()
+            if any(isinstance(e, PeerDead) for e in events):
+                break
+        assert any(isinstance(e, PeerDead) for e in events)
+        assert clock.t <= t0 + 4.0 + 1e-9
+    finally:
+        d.close()
+
+
+def test_an_on_event_exception_loses_no_event(pinner_side: Driver) -> None:
+    """The callback raises for the first event: every other event of the step still reaches it
+    (and step's return value), then the engine's exception surfaces."""
+    p = pinner_side
+    got: list[DriverEvent] = []
+
+    def on_event(ev: DriverEvent) -> None:
+        got.append(ev)
+        if len(got) == 1:
+            raise RuntimeError("engine bug")
+
+    p.on_event = on_event
+    tickets = [p.grant(f"k{i}") for i in range(3)]
+    for t in tickets:
+        p.release(t.lease_id)
+    with pytest.raises(RuntimeError, match="engine bug"):
+        p.step()
+    assert sorted(e.key for e in got if isinstance(e, Free)) == ["k0", "k1", "k2"]
+
+
+@pytest.mark.asyncio
+async def test_idle_run_sleeps_on_the_sockets_and_wakes_for_input() -> None:
+    """An idle `run()` over ZMQ steps a handful of times a second at most (it sleeps on the
+    sockets' descriptors until the next deadline), yet a frame that arrives wakes it at once:
+    a stock-vLLM heartbeat sent mid-sleep renews the lease long before the lease's own
+    deadline would have woken the driver."""
+    cfg = CFG.with_changes(vllm_compat=True, kv_lease_duration=60.0)
+    pt = ZmqTransport("P")
+    p = Driver(pt, pinner=Pinner(cfg, "P", 3), vllm_compat=True)
+    steps = 0
+    real_step = p.step
+
+    def counting_step() -> list[DriverEvent]:
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    p.step = counting_step  # type: ignore[method-assign]
+    ticket = p.grant("req-1")
+    for i in range(1000):
+        p.grant(f"idle-{i}")
+    stop = asyncio.Event()
+    task = asyncio.create_task(p.run(stop))
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.IDENTITY, b"vllm-d\x000")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(pt.address)
+    try:
+        await asyncio.sleep(0.5)
+        idle_steps = steps
+        # A 1 ms tick would have stepped ~500 times; sleeping on the sockets, only the
+        # wake-ups of the connecting peer and the 1 s safety net remain.
+        assert idle_steps < 25, idle_steps
+        assert p.pinner is not None
+        before = p.pinner.info(ticket.lease_id)
+        assert before is not None
+        await asyncio.sleep(0.3)
+        raw.send_multipart([b"M", b"HB:req-1"])
+        for _ in range(200):
+            if p.stats.leases_renewed >= 1:
+                break
+            await asyncio.sleep(0.01)
+        assert p.stats.leases_renewed >= 1  # woken by the frame, not by a deadline 60 s away
+        stop.set()
+        await asyncio.wait_for(task, 5.0)  # and a set stop ends the sleep at once
+    finally:
+        stop.set()
+        raw.close(0)
+        p.close()

@@ -51,14 +51,21 @@ The contract, in the driver's words:
   engine (after its engine TTL); a later handshake re-adds it, which is how a restarted peer
   (new incarnation, new agent metadata) comes back.
 - **Waiting.** `wait(timeout)` blocks up to `timeout` seconds until something may have
-  arrived (used only by blocking drivers and the asyncio service's executor-free loop).
+  arrived (for a caller that runs its own blocking loop). A transport whose input shows on file
+  descriptors also implements `Pollable` (`wait_fds()`, `ready()`), and `Driver.run` then
+  sleeps on those descriptors until input or the next deadline; for any other transport (NIXL:
+  notifications are only seen by polling ``get_new_notifs``, there is no descriptor) it polls at
+  its ``poll_interval``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
+
+from kvlease import KvLeaseError
 
 __all__ = [
     "HandshakeEvent",
@@ -69,13 +76,14 @@ __all__ = [
     "PeerDead",
     "PeerSuspect",
     "PeerUnreachable",
+    "Pollable",
     "TransferFailed",
     "TransferResult",
     "Transport",
 ]
 
 
-class PeerUnreachable(Exception):
+class PeerUnreachable(KvLeaseError):
     """`send` knows the frame cannot be delivered to `engine_id` (rank `rank`, or all).
 
     A hint that a peer may be gone; never a proof that it is, and never a basis for freeing
@@ -192,6 +200,20 @@ class Transport(Protocol):
     def wait(self, timeout: float) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Pollable(Protocol):
+    """A transport whose input shows on file descriptors, so an event loop can sleep on them."""
+
+    def wait_fds(self) -> Sequence[int]:
+        """Descriptors that become readable when input may have arrived (edge-triggered ones
+        are fine: the driver calls `ready` before every wait)."""
+        ...
+
+    def ready(self) -> bool:
+        """Whether a step now would find input (and re-arm edge-triggered descriptors)."""
+        ...
 
 
 # -- events the driver adds to the core's outputs -------------------------------------------

@@ -15,8 +15,10 @@ Two ways to drive it:
    and calls the transport's `progress()`; it returns the engine-facing events of that step
    (plus those produced by calls such as `grant`/`track` since the previous step). No thread.
 2. **As an asyncio service** (`await driver.run(stop)`), for standalone processes: the same
-   step on a timer, sleeping until the next deadline or `poll_interval`, whichever is first.
-   Events go to the ``on_event`` callback.
+   step, then sleep until the next deadline or until the transport has input. A `Pollable`
+   transport (ZMQ) is awaited on its file descriptors, so an idle driver costs next to nothing
+   however many leases it holds; any other transport (NIXL, whose notifications can only be
+   polled) is stepped every ``poll_interval``. Events go to the ``on_event`` callback.
 
 Input from the wire is judged here: undecodable bytes (`DecodeError`), messages the core finds
 protocol-breaking (`RemoteProtocolError`) and `Rejected` outputs are counted in `TransportStats`,
@@ -52,7 +54,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import assert_never
+from typing import Any, assert_never
 
 import attrs
 
@@ -77,6 +79,7 @@ from kvlease import (
     LeaseKind,
     LeaseLost,
     LeaseTicket,
+    LocalProtocolError,
     LocalTime,
     Message,
     Output,
@@ -102,6 +105,7 @@ from ._base import (
     PeerDead,
     PeerSuspect,
     PeerUnreachable,
+    Pollable,
     TransferFailed,
     Transport,
 )
@@ -204,7 +208,7 @@ class Driver:
         on_event: Callable[[DriverEvent], None] | None = None,
     ) -> None:
         if pinner is None and accessor is None:
-            raise ValueError("a driver needs a pinner, an accessor, or both")
+            raise LocalProtocolError("a driver needs a pinner, an accessor, or both")
         config = (pinner or accessor).config  # type: ignore[union-attr]
         #: Seals what this driver sends and opens what it receives (None: authentication off).
         #: Loaded at start-up, so a missing or bad key fails here, naming the setting.
@@ -227,7 +231,6 @@ class Driver:
         self._pending: list[DriverEvent] = []
         self._addresses: dict[str, str] = {}
         self._peers: dict[str, _Peer] = {}
-        self._track_engine: dict[str, str] = {}  # accessor key -> pinner engine
         self._accesses: dict[str, _Access] = {}
         self._handles: dict[int, str] = {}  # transfer handle -> key
         self._pinned: dict[int, int] = {}  # lease id -> bytes
@@ -257,6 +260,9 @@ class Driver:
                     best = d
         if self._accesses:
             best = min(best, min(a.started for a in self._accesses.values()) + self.transfer_timeout)
+        for p in self._peers.values():  # the liveness check: an unanswered peer's engine TTL
+            if p.unanswered_since is not None and p.unanswered_since + self.engine_ttl < best:
+                best = p.unanswered_since + self.engine_ttl
         return None if best == float("inf") else LocalTime(best)
 
     # -- pinner side ------------------------------------------------------------------------
@@ -314,15 +320,12 @@ class Driver:
         if address is not None:
             self._addresses[ticket.engine_id] = address
         now = self.now()
-        outs = accessor.track(now, key, ticket, push=push)
-        self._track_engine[key] = ticket.engine_id
-        self._dispatch(now, outs)
+        self._dispatch(now, accessor.track(now, key, ticket, push=push))
 
     def untrack(self, key: str) -> None:
         """The request finished or was aborted before its access; the pinner may free."""
         accessor = self._need_accessor()
         now = self.now()
-        self._track_engine.pop(key, None)
         self._dispatch(now, accessor.untrack(now, key))
 
     def read(self, key: str, region: str, into: object | Mapping[int, object]) -> AccessDecision:
@@ -348,18 +351,18 @@ class Driver:
         accessor = self._need_accessor()
         if key in self._accesses:
             return AccessDecision(False, False, None, "an access is already in flight")
-        engine_id = self._track_engine.get(key)
         now = self.now()
         decision = accessor.begin_access(now, key)
-        if not decision.allowed or engine_id is None:
+        if not decision.allowed:
             return decision
+        engine_id = decision.engine_id  # the core says where the access goes
         # Which buffer goes to which pinner rank: checked before anything starts, so a
         # caller's mistake leaves the lease as it was (misuse raises, as in the core).
         plan: list[tuple[int, str, object]] = []
         if isinstance(bufs, Mapping):
             if set(bufs) != set(decision.targets):
                 accessor.access_failed(now, key, posted=False)
-                raise ValueError(
+                raise LocalProtocolError(
                     f"buffers given for pinner ranks {sorted(bufs)}, the access targets {list(decision.targets)}"
                 )
             for r in decision.targets:
@@ -369,7 +372,9 @@ class Driver:
             plan.append((decision.targets[0], region, bufs))
         else:
             accessor.access_failed(now, key, posted=False)
-            raise ValueError(f"the access targets pinner ranks {list(decision.targets)}: pass one buffer per rank")
+            raise LocalProtocolError(
+                f"the access targets pinner ranks {list(decision.targets)}: pass one buffer per rank"
+            )
         assert decision.notification is not None
         # Attached to every part: each pinner rank hears the access-done only after its part
         # landed (and the core knows that a rank answering "completed" mid-access heard ours).
@@ -439,20 +444,73 @@ class Driver:
         tr.progress()
         events, self._pending = self._pending, []
         if self.on_event is not None:
-            for ev in events:
-                self.on_event(ev)
+            self._deliver(events, self.on_event)
         return events
 
-    async def run(self, stop: asyncio.Event | None = None, *, poll_interval: float = 0.001) -> None:
-        """Serve until `stop` is set: step, then sleep until the next deadline or
-        `poll_interval` (inbound frames are picked up at that cadence)."""
-        while stop is None or not stop.is_set():
-            self.step()
-            delay = poll_interval
-            d = self.next_deadline()
-            if d is not None:
-                delay = max(0.0, min(delay, d - self.now()))
-            await asyncio.sleep(delay)
+    @staticmethod
+    def _deliver(events: list[DriverEvent], on_event: Callable[[DriverEvent], None]) -> None:
+        """Every event reaches the callback even if it raises for one of them; the first
+        exception is raised after the last event was delivered (the engine's bug is not
+        hidden, and no Free or LeaseLost is lost behind it)."""
+        first: BaseException | None = None
+        for ev in events:
+            try:
+                on_event(ev)
+            except Exception as exc:
+                logger.exception("kvlease on_event raised for %r; delivering the rest of this step's events", ev)
+                first = first or exc
+        if first is not None:
+            raise first
+
+    async def run(
+        self, stop: asyncio.Event | None = None, *, poll_interval: float = 0.001, max_wait: float = 1.0
+    ) -> None:
+        """Serve until `stop` is set: step, then sleep until the next deadline or until the
+        transport has input. A `Pollable` transport is awaited on its descriptors (at most
+        `max_wait` at a time, a safety net); any other one is stepped every `poll_interval`."""
+        if not (poll_interval > 0 and max_wait > 0):
+            raise LocalProtocolError(f"poll_interval and max_wait must be > 0 (got {poll_interval}, {max_wait})")
+        loop = asyncio.get_running_loop()
+        tr = self.transport
+        pollable = tr if isinstance(tr, Pollable) else None
+        stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
+        try:
+            while stop is None or not stop.is_set():
+                self.step()
+                d = self.next_deadline()
+                delay = max_wait if pollable is not None else poll_interval
+                if d is not None:
+                    delay = max(0.0, min(delay, d - self.now()))
+                if delay <= 0.0 or (pollable is not None and pollable.ready()):
+                    await asyncio.sleep(0)  # work now; let the rest of the loop run first
+                elif pollable is None:
+                    await asyncio.sleep(delay)
+                else:
+                    await self._wait_readable(loop, pollable, delay, stopping)
+        finally:
+            if stopping is not None:
+                stopping.cancel()
+
+    @staticmethod
+    async def _wait_readable(
+        loop: asyncio.AbstractEventLoop, tr: Pollable, delay: float, stopping: asyncio.Future[Any] | None
+    ) -> None:
+        woken: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not woken.done():
+                woken.set_result(None)
+
+        fds = list(tr.wait_fds())
+        for fd in fds:
+            loop.add_reader(fd, wake)
+        try:
+            waits: set[asyncio.Future[Any]] = {woken} if stopping is None else {woken, stopping}
+            await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fd in fds:
+                loop.remove_reader(fd)
+            woken.cancel()
 
     serve_forever = run
 
@@ -598,15 +656,12 @@ class Driver:
                     self._request_handshake(now, out.engine_id, out.message)
                 case LeaseLost():
                     stats.leases_lost += 1
-                    self._track_engine.pop(out.key, None)
                     self._pending.append(out)
                 case AccessCompleted():
                     stats.accesses_completed += 1
-                    self._track_engine.pop(out.key, None)
                     self._pending.append(out)
                 case AccessStale():
                     stats.stale_reads_caught += 1
-                    self._track_engine.pop(out.key, None)
                     self._pending.append(out)
                 case Rejected():
                     stats.rejected_messages += 1
@@ -676,7 +731,6 @@ class Driver:
             # may be retried under the same lease.
             self._dispatch(now, self.accessor.access_failed(now, acc.key, posted=acc.posted > 0))
             if acc.posted:
-                self._track_engine.pop(acc.key, None)
                 acc.failed += f" ({acc.posted} part(s) posted, {acc.landed} landed: lease given up, recompute)"
             self._pending.append(TransferFailed(acc.key, acc.failed))
         else:
@@ -749,10 +803,10 @@ class Driver:
 
     def _need_pinner(self) -> Pinner:
         if self.pinner is None:
-            raise RuntimeError("this driver has no pinner")
+            raise LocalProtocolError("this driver has no pinner")
         return self.pinner
 
     def _need_accessor(self) -> Accessor:
         if self.accessor is None:
-            raise RuntimeError("this driver has no accessor")
+            raise LocalProtocolError("this driver has no accessor")
         return self.accessor

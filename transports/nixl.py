@@ -15,6 +15,13 @@ Implements `kvlease.transports._base.Transport` for one worker (rank) of one eng
   re-adds are serialized;
 - the side channel for the handshake.
 
+It reads no clock: how long a transfer (or a wait for a peer's layout) may take is the driver's
+``transfer_timeout``, enforced with `cancel_transfer`, so the driver stays the only clock reader.
+The side channel's socket timeouts (``handshake_timeout``) are the kernel's, not a clock read here.
+Waiting: NIXL's Python API gives no descriptor for notifications (they are seen only by polling
+``get_new_notifs``), so this transport is not `Pollable` and `Driver.run` steps it every
+``poll_interval``.
+
 Side channel: a plain TCP socket bound to 127.0.0.1 (or the namespace address), carrying one
 length-prefixed msgpack request and one reply per connection. Chosen over ZMQ REQ/REP because
 it needs nothing beyond the standard library for the ``nixl`` extra, binds exactly the address
@@ -237,16 +244,15 @@ class _Peer:
 
 
 class _Xfer:
-    __slots__ = ("deadline", "engine_id", "handle", "local", "nbytes", "notif", "op", "rank", "region")
+    __slots__ = ("engine_id", "handle", "local", "nbytes", "notif", "op", "rank", "region")
 
-    def __init__(self, op: Op, engine_id: str, rank: int, region: str, local: _Local, notif: bytes, deadline: float):
+    def __init__(self, op: Op, engine_id: str, rank: int, region: str, local: _Local, notif: bytes):
         self.op = op
         self.engine_id = engine_id
         self.rank = rank
         self.region = region
         self.local = local
         self.notif = notif
-        self.deadline = deadline
         self.handle: Any = None  # None while waiting for the remote layout
         self.nbytes = 0
 
@@ -269,20 +275,14 @@ class NixlTransport:
         incarnation: int | None = None,
         worker_addresses: list[str] | None = None,
         handshake_timeout: float = 5.0,
-        transfer_timeout: float = 30.0,
-        clock: Any = None,
     ) -> None:
-        import time
-
         loopback_ucx_env()
         logging.getLogger("nixl").setLevel(logging.WARNING)
         from nixl._api import nixl_agent, nixl_agent_config
 
         self._engine_id = engine_id
         self._rank = rank
-        self._clock = clock or time.monotonic
         self.handshake_timeout = handshake_timeout
-        self.transfer_timeout = transfer_timeout
         inc = int.from_bytes(os.urandom(8), "big") if incarnation is None else incarnation
         # Unique per process life, so a restarted worker is a new agent to its peers.
         self.agent_name = f"{engine_id}#{rank}#{inc:016x}"
@@ -724,7 +724,7 @@ class NixlTransport:
         except Exception as exc:
             self._results.append(TransferResult(handle, False, f"local buffer: {type(exc).__name__}: {exc}"))
             return handle
-        x = _Xfer(op, engine_id, rank, region, local, notif or b"", self._clock() + self.transfer_timeout)
+        x = _Xfer(op, engine_id, rank, region, local, notif or b"")
         self._xfers[handle] = x
         peer = self._peers.get((engine_id, rank))
         if peer is None:
@@ -784,9 +784,7 @@ class NixlTransport:
 
     def _check_one(self, handle: int, x: _Xfer) -> None:
         if x.handle is None:
-            if self._clock() >= x.deadline:
-                self._finish(handle, x, "timed out waiting for the remote layout")
-            return
+            return  # waiting for the remote layout (the driver's transfer timeout bounds it)
         try:
             # Polling is also what sends the attached notification once the data landed.
             state = self._agent.check_xfer_state(x.handle)
@@ -797,8 +795,6 @@ class NixlTransport:
             self._finish(handle, x, None)
         elif state != "PROC":
             self._finish(handle, x, f"transfer state {state}")
-        elif self._clock() >= x.deadline:
-            self._finish(handle, x, f"timed out after {self.transfer_timeout} s")
 
     def _finish(self, handle: int, x: _Xfer, error: str | None) -> None:
         self._xfers.pop(handle, None)

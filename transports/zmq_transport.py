@@ -487,6 +487,24 @@ class ZmqTransport:
             return
         self._poller.poll(max(0, int(timeout * 1000)))
 
+    # -- `Pollable`: how an event loop waits for this transport's input ---------------------
+
+    def wait_fds(self) -> list[int]:
+        """The ZMQ_FD of every socket: edge-triggered, so `ready()` first, then wait on them."""
+        if self._closed:
+            return []
+        socks = [self._router, *(d.sock for d in self._dealers.values()), *(d.sock for d in self._hs_dealers.values())]
+        return [int(sk.getsockopt(zmq.FD)) for sk in socks]
+
+    def ready(self) -> bool:
+        """A step now would find input. A level check (a zero-timeout poll), which also re-arms
+        the edge-triggered descriptors of `wait_fds`."""
+        if self._inbound or self._done or self._handshakes:
+            return True
+        if self._closed:
+            return False
+        return bool(self._poller.poll(0))
+
     def close(self) -> None:
         if self._closed:
             return
