@@ -74,11 +74,11 @@ class FrameAuth:
         data = bytes(data)
         if data[:2] != SEALED_MAGIC:
             what = "an unsealed kvlease frame" if data[:2] == MAGIC else "not a sealed kvlease frame"
-            raise DecodeError(f"authentication required: {what}")
+            raise DecodeError(f"authentication required: {what}", category="auth")
         if len(data) < 2 + MAC_BYTES:
-            raise DecodeError("authentication failed: sealed frame shorter than its tag")
+            raise DecodeError("authentication failed: sealed frame shorter than its tag", category="auth")
         tag, body = data[2 : 2 + MAC_BYTES], data[2 + MAC_BYTES :]
         for key in self._keys:
             if hmac.compare_digest(tag, self._tag(key, body)):
                 return MAGIC + body
-        raise DecodeError("authentication failed: the tag matches no configured key")
+        raise DecodeError("authentication failed: the tag matches no configured key", category="auth")

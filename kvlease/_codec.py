@@ -396,15 +396,15 @@ def _bounded(frame: bytes) -> bytes:
 
 def _decode_ids(what: str, v: Any) -> tuple[int, ...]:
     if not isinstance(v, list):
-        raise DecodeError(f"{what}: expected an array of ids, got {type(v).__name__}")
+        raise DecodeError(f"{what}: expected an array of ids, got {type(v).__name__}", category="field")
     out: list[int] = []
     cur = 0
     for i, d in enumerate(v):
         if not isinstance(d, int) or isinstance(d, bool) or d < 0 or (i > 0 and d == 0):
-            raise DecodeError(f"{what}[{i}]: expected a {'positive gap' if i else 'uint'}, got {d!r}")
+            raise DecodeError(f"{what}[{i}]: expected a {'positive gap' if i else 'uint'}, got {d!r}", category="field")
         cur = d if i == 0 else cur + d
         if cur >= _U64:
-            raise DecodeError(f"{what}[{i}]: id exceeds uint64")
+            raise DecodeError(f"{what}[{i}]: id exceeds uint64", category="field")
         out.append(cur)
     return tuple(out)
 
@@ -413,22 +413,23 @@ def _decode_field(what: str, kind: str, v: Any) -> Any:
     if kind == _ENGINE:
         if not isinstance(v, str) or not v or len(v.encode("utf-8", "surrogatepass")) > MAX_ENGINE_ID_BYTES:
             raise DecodeError(
-                f"{what}: expected a non-empty string of at most {MAX_ENGINE_ID_BYTES} bytes, got {v!r:.80}"
+                f"{what}: expected a non-empty string of at most {MAX_ENGINE_ID_BYTES} bytes, got {v!r:.80}",
+                category="field",
             )
         return v
     if kind in (_UINT, _RANKS, _MMB, _OUTCOME):
         lo, hi = {_UINT: (0, _U64 - 1), _RANKS: (1, MAX_RANKS), _MMB: (1, _U64 - 1),
                   _OUTCOME: (0, int(max(AccessOutcome)))}[kind]
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise DecodeError(f"{what}: expected an integer in [{lo}, {hi}], got {v!r}")
+            raise DecodeError(f"{what}: expected an integer in [{lo}, {hi}], got {v!r}", category="field")
         return AccessOutcome(v) if kind == _OUTCOME else v
     if kind == _TIME:
         if not isinstance(v, float | int) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > MAX_TIME:
-            raise DecodeError(f"{what}: expected a finite float within +-{MAX_TIME:.0f}, got {v!r}")
+            raise DecodeError(f"{what}: expected a finite float within +-{MAX_TIME:.0f}, got {v!r}", category="field")
         return float(v)
     if kind == _BOOL:
         if not isinstance(v, bool):
-            raise DecodeError(f"{what}: expected a boolean, got {v!r}")
+            raise DecodeError(f"{what}: expected a boolean, got {v!r}", category="field")
         return v
     return _decode_ids(what, v)
 
@@ -517,12 +518,12 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_DECODE_
     """Decode one native frame. Any problem raises `DecodeError` naming what was wrong."""
     if type(data) is not bytes:
         if not isinstance(data, bytes | bytearray | memoryview):
-            raise DecodeError(f"expected bytes, got {type(data).__name__}")
+            raise DecodeError(f"expected bytes, got {type(data).__name__}", category="frame")
         data = bytes(data)
     if len(data) > max_bytes:
-        raise DecodeError(f"message of {len(data)} bytes exceeds the {max_bytes}-byte bound")
+        raise DecodeError(f"message of {len(data)} bytes exceeds the {max_bytes}-byte bound", category="frame")
     if data[:2] != MAGIC:
-        raise DecodeError(f"not a kvlease frame: starts with {data[:2]!r}, expected {MAGIC!r}")
+        raise DecodeError(f"not a kvlease frame: starts with {data[:2]!r}, expected {MAGIC!r}", category="frame")
     try:
         items = msgpack.unpackb(
             data[2:],
@@ -536,7 +537,7 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_DECODE_
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, ...)
-        raise DecodeError(f"malformed msgpack body: {type(exc).__name__}: {exc}") from None
+        raise DecodeError(f"malformed msgpack body: {type(exc).__name__}: {exc}", category="body") from None
     if type(items) is list and len(items) > 2 and type(items[0]) is int and items[0] == PROTOCOL_VERSION:
         mtype = items[1]
         fast = _FAST_DECODERS.get(mtype) if type(mtype) is int else None
@@ -545,24 +546,28 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_DECODE_
             try:
                 msg = fast[1](items)
             except Exception as exc:  # defensive, as below: nothing but DecodeError escapes
-                raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}") from None
+                raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}", category="field") from None
             if msg is not None:
                 return msg
     if not isinstance(items, list) or len(items) < 2:
-        raise DecodeError(f"expected an array [version, type, ...], got {type(items).__name__}")
+        raise DecodeError(f"expected an array [version, type, ...], got {type(items).__name__}", category="body")
     version, mtype = items[0], items[1]
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise DecodeError(f"unsupported protocol version {version!r} (this peer speaks {PROTOCOL_VERSION})")
+        raise DecodeError(
+            f"unsupported protocol version {version!r} (this peer speaks {PROTOCOL_VERSION})", category="version"
+        )
     if not isinstance(mtype, int) or isinstance(mtype, bool) or mtype not in _ARITY:
-        raise DecodeError(f"unknown message type {mtype!r}")
+        raise DecodeError(f"unknown message type {mtype!r}", category="type")
     if len(items) != 2 + _ARITY[mtype]:
-        raise DecodeError(f"message type {mtype} expects {_ARITY[mtype]} fields, got {len(items) - 2}")
+        raise DecodeError(
+            f"message type {mtype} expects {_ARITY[mtype]} fields, got {len(items) - 2}", category="arity"
+        )
     try:
         return _decode_fields(mtype, items)
     except DecodeError:
         raise
     except Exception as exc:  # defensive: nothing else may escape
-        raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}") from None
+        raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}", category="field") from None
 
 
 def _decode_fields(mtype: int, items: list[Any]) -> Message:

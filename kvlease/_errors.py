@@ -8,9 +8,13 @@ that are not a kvlease message (`DecodeError`) and for bad configuration (`Confi
 
 from __future__ import annotations
 
+from typing import Final, Literal, get_args
+
 __all__ = [
+    "DECODE_ERROR_CATEGORIES",
     "ConfigError",
     "DecodeError",
+    "DecodeErrorCategory",
     "EncodeError",
     "KvLeaseError",
     "LocalProtocolError",
@@ -45,8 +49,31 @@ class RemoteProtocolError(ProtocolError):
     """A peer sent something that decodes but breaks the protocol's rules."""
 
 
+#: Why bytes did not decode, in the language-neutral words of the conformance vectors
+#: (PROTOCOL.md §8, spec/vectors/README.md): ``frame`` (not a frame at all: wrong magic, too
+#: large, not bytes; vLLM: not UTF-8, no ``HB:`` and no ``id:count``), ``body`` (the msgpack body
+#: is malformed, not an array of >= 2 items, or breaks a decoder limit), ``version``, ``type``,
+#: ``arity`` (wrong field count for the type), ``field`` (a field's kind or bound) and ``auth``
+#: (not a frame sealed with one of the configured keys, PROTOCOL.md §4.5).
+DecodeErrorCategory = Literal["frame", "body", "version", "type", "arity", "field", "auth"]
+
+DECODE_ERROR_CATEGORIES: Final[frozenset[DecodeErrorCategory]] = frozenset(get_args(DecodeErrorCategory))
+
+
 class DecodeError(KvLeaseError):
-    """Bytes from the wire are not a valid kvlease message. The only error `decode` raises."""
+    """Bytes from the wire are not a valid kvlease message. The only error `decode` raises.
+
+    `category` says why, as one of `DECODE_ERROR_CATEGORIES`; every DecodeError kvlease's codecs
+    raise carries one. It is None only where code outside them raised one without saying.
+    """
+
+    def __init__(self, message: str, category: DecodeErrorCategory | None = None) -> None:
+        self.category: DecodeErrorCategory | None = category
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type[DecodeError], tuple[str, DecodeErrorCategory | None]]:
+        # Exceptions pickle as `cls(*args)`; `category` is not in `args`, so say it here.
+        return (type(self), (str(self), self.category))
 
 
 class EncodeError(KvLeaseError, ValueError):

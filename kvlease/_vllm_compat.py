@@ -70,32 +70,32 @@ def encode_vllm_done(request_id: str, count: int) -> bytes:
     return raw + b":" + str(count).encode()
 
 
-def decode_vllm(data: bytes) -> VllmHeartbeat | VllmAccessDone:
+def decode_vllm(data: bytes | bytearray | memoryview) -> VllmHeartbeat | VllmAccessDone:
     """Decode one vLLM notification. Only `DecodeError` escapes."""
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise DecodeError(f"expected bytes, got {type(data).__name__}")
+        raise DecodeError(f"expected bytes, got {type(data).__name__}", category="frame")
     data = bytes(data)
     if len(data) > MAX_VLLM_BYTES:
-        raise DecodeError(f"vLLM notification of {len(data)} bytes exceeds {MAX_VLLM_BYTES}")
+        raise DecodeError(f"vLLM notification of {len(data)} bytes exceeds {MAX_VLLM_BYTES}", category="frame")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DecodeError(f"vLLM notification is not UTF-8: {exc}") from None
+        raise DecodeError(f"vLLM notification is not UTF-8: {exc}", category="frame") from None
     if text.startswith("HB:"):
         ids = text[3:].split(",")
         if any(not i for i in ids):
-            raise DecodeError("vLLM heartbeat has an empty request id")
+            raise DecodeError("vLLM heartbeat has an empty request id", category="field")
         if any(len(i.encode()) > MAX_REQUEST_ID_BYTES for i in ids):
-            raise DecodeError(f"vLLM heartbeat has a request id over {MAX_REQUEST_ID_BYTES} bytes")
+            raise DecodeError(f"vLLM heartbeat has a request id over {MAX_REQUEST_ID_BYTES} bytes", category="field")
         return VllmHeartbeat(tuple(ids))
     rid, sep, count = text.rpartition(":")
     if not sep or not rid:
-        raise DecodeError(f"not a vLLM notification: {text[:80]!r}")
+        raise DecodeError(f"not a vLLM notification: {text[:80]!r}", category="frame")
     if not count.isascii() or not count.isdigit() or len(count) > 6:
-        raise DecodeError(f"vLLM read-done count is not a small integer: {count[:20]!r}")
+        raise DecodeError(f"vLLM read-done count is not a small integer: {count[:20]!r}", category="field")
     n = int(count)
     if not 1 <= n <= 1 << 16:
-        raise DecodeError(f"vLLM read-done count {n} out of range [1, 65536]")
+        raise DecodeError(f"vLLM read-done count {n} out of range [1, 65536]", category="field")
     if len(rid.encode()) > MAX_REQUEST_ID_BYTES:
-        raise DecodeError(f"vLLM request id over {MAX_REQUEST_ID_BYTES} bytes")
+        raise DecodeError(f"vLLM request id over {MAX_REQUEST_ID_BYTES} bytes", category="field")
     return VllmAccessDone(rid, n)

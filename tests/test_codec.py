@@ -6,10 +6,13 @@ answering it stay within `max_message_bytes`."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import math
+import pickle
 import struct
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -18,6 +21,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import kvlease
 from kvlease import (
     MAX_RANKS,
     MAX_TIME,
@@ -50,6 +54,7 @@ from kvlease._codec import (
     heartbeat_id_budget,
     ids_encoded_size,
 )
+from kvlease._errors import DECODE_ERROR_CATEGORIES
 
 U64_MAX = 2**64 - 1
 T_MAX = 2**32  # MAX_TIME as an integer
@@ -351,10 +356,12 @@ def test_size_limits_of_decode_hold() -> None:
 # -- decode raises only DecodeError -------------------------------------------------------------
 
 
-def _decode_only_decode_error(data: Any) -> Message | None:
+def _decode_only_decode_error(data: bytes) -> Message | None:
+    """`decode(data)`, or None when it raised a `DecodeError` with a documented category."""
     try:
         return decode(data)
-    except DecodeError:
+    except DecodeError as exc:
+        assert exc.category in DECODE_ERROR_CATEGORIES, (exc, exc.category)
         return None
 
 
@@ -443,46 +450,82 @@ def _hb_body(*, rank: Any = 0, ranks: Any = 1, t: Any = 1.0, ids: Any = (), engi
 
 
 @pytest.mark.parametrize(
-    ("data", "what"),
+    ("data", "what", "category"),
     [
-        (b"\x00\x01", "not a kvlease frame"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION + 1, 3]), "version"),
-        (MAGIC + msgpack.packb([1, 3, "e", 0, 0, 0, 1.0, []]), "version"),  # a v1 heartbeat
-        (MAGIC + msgpack.packb([True, 3]), "version"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 99]), "unknown message type"),
-        (MAGIC + msgpack.packb({"a": 1}), "expected an array|malformed"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e"]), "expects 8 fields"),
-        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 1.0, []]), "expects 8 fields"),  # v1 arity
-        (MAGIC + b"\x9a\x02\x03" + _str_raw(b"\xff\xfe") + HB_BODY_TAIL, "malformed"),
-        (_hb_body(t=math.nan), "finite"),
-        (_hb_body(t=math.inf), "finite"),
-        (_hb_body(t=MAX_TIME + 1), "finite"),
-        (_hb_body(t=-(2**33)), "finite"),
-        (_hb_body(ids=[5, 0]), "positive gap"),
-        (_hb_body(ids=[2**64 - 1, 1]), "exceeds uint64"),
-        (_hb_body(ids="x"), "array of ids"),
-        (_hb_body(rank=-1), "rank"),
-        (_hb_body(ranks=0), "ranks"),
-        (_hb_body(ranks=MAX_RANKS + 1), "ranks"),
-        (_hb_body(ranks=True), "ranks"),
-        (_hb_body(engine=""), "engine_id"),
-        (_frame([PROTOCOL_VERSION, 5, "e", 0, True, 0, 0, 1, 1, True, 1.0]), "ranks"),
-        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 1, 1, 1, 1.0]), "boolean"),
-        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 1, -1, True, 1.0]), "attempt"),
-        (_frame([PROTOCOL_VERSION, 6, "e", 0, 0, 0, 0, 1, 1, 9]), "outcome"),
-        (_frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 2, 0, 0, 0, 0, 0, 1.0, 1.0, 1.0]), "max_message_bytes"),
-        (_frame([PROTOCOL_VERSION, 7, "e", 0, 1, 0, 0, [1] * ((1 << 17) + 1)]), "malformed"),
-        (MAGIC + b"\x00" * (1 << 20), "exceeds"),
+        (b"\x00\x01", "not a kvlease frame", "frame"),
+        (MAGIC + msgpack.packb([PROTOCOL_VERSION + 1, 3]), "version", "version"),
+        (MAGIC + msgpack.packb([1, 3, "e", 0, 0, 0, 1.0, []]), "version", "version"),  # a v1 heartbeat
+        (MAGIC + msgpack.packb([True, 3]), "version", "version"),
+        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 99]), "unknown message type", "type"),
+        (MAGIC + msgpack.packb({"a": 1}), "expected an array|malformed", "body"),
+        (MAGIC + msgpack.packb([PROTOCOL_VERSION]), "expected an array", "body"),
+        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e"]), "expects 8 fields", "arity"),
+        (MAGIC + msgpack.packb([PROTOCOL_VERSION, 3, "e", 0, 0, 0, 1.0, []]), "expects 8 fields", "arity"),  # v1 arity
+        (MAGIC + b"\x9a\x02\x03" + _str_raw(b"\xff\xfe") + HB_BODY_TAIL, "malformed", "body"),
+        (_hb_body(t=math.nan), "finite", "field"),
+        (_hb_body(t=math.inf), "finite", "field"),
+        (_hb_body(t=MAX_TIME + 1), "finite", "field"),
+        (_hb_body(t=-(2**33)), "finite", "field"),
+        (_hb_body(ids=[5, 0]), "positive gap", "field"),
+        (_hb_body(ids=[2**64 - 1, 1]), "exceeds uint64", "field"),
+        (_hb_body(ids="x"), "array of ids", "field"),
+        (_hb_body(rank=-1), "rank", "field"),
+        (_hb_body(ranks=0), "ranks", "field"),
+        (_hb_body(ranks=MAX_RANKS + 1), "ranks", "field"),
+        (_hb_body(ranks=True), "ranks", "field"),
+        (_hb_body(engine=""), "engine_id", "field"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, True, 0, 0, 1, 1, True, 1.0]), "ranks", "field"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 1, 1, 1, 1.0]), "boolean", "field"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 1, -1, True, 1.0]), "attempt", "field"),
+        (_frame([PROTOCOL_VERSION, 6, "e", 0, 0, 0, 0, 1, 1, 9]), "outcome", "field"),
+        (
+            _frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 2, 0, 0, 0, 0, 0, 1.0, 1.0, 1.0]),
+            "max_message_bytes",
+            "field",
+        ),
+        (_frame([PROTOCOL_VERSION, 7, "e", 0, 1, 0, 0, [1] * ((1 << 17) + 1)]), "malformed", "body"),
+        (MAGIC + b"\x00" * (1 << 20), "exceeds", "frame"),
     ],
 )
-def test_decode_rejects_with_a_precise_reason(data: bytes, what: str) -> None:
-    with pytest.raises(DecodeError, match=what):
+def test_decode_rejects_with_a_precise_reason_and_category(data: bytes, what: str, category: str) -> None:
+    """The message says what was wrong (for people); `category` says it in the vectors' words
+    (PROTOCOL.md §8), which the conformance runner compares without reading the message."""
+    with pytest.raises(DecodeError, match=what) as exc:
         decode(data)
+    assert exc.value.category == category
 
 
 def test_decode_rejects_non_bytes() -> None:
-    with pytest.raises(DecodeError, match="expected bytes"):
-        decode("text")  # type: ignore[arg-type]
+    with pytest.raises(DecodeError, match="expected bytes") as exc:
+        decode("text")  # type: ignore[arg-type]  # the wrong type is the point
+    assert exc.value.category == "frame"
+
+
+def test_a_decode_error_keeps_its_category_through_pickle() -> None:
+    """Exceptions pickle as ``cls(*args)``; the category must survive (multiprocessing, logs)."""
+    with pytest.raises(DecodeError) as exc:
+        decode(memoryview(MAGIC + msgpack.packb([PROTOCOL_VERSION, 99])))
+    back = pickle.loads(pickle.dumps(exc.value))
+    assert isinstance(back, DecodeError) and back.category == "type" and str(back) == str(exc.value)
+
+
+def _decode_error_calls(root: Path) -> list[tuple[str, int, ast.Call]]:
+    calls = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "DecodeError":
+                calls.append((str(path.relative_to(root.parent)), node.lineno, node))
+    return calls
+
+
+def test_every_decode_error_kvlease_raises_names_a_documented_category() -> None:
+    """Statically, so that a rare path cannot slip through: every ``DecodeError(...)`` in the
+    package passes ``category=`` one of the documented literals."""
+    calls = _decode_error_calls(Path(kvlease.__file__).parent)
+    assert len(calls) >= 30  # the codec, the vLLM codec, frame authentication, the conformance core
+    for where, line, call in calls:
+        cat = next((k.value for k in call.keywords if k.arg == "category"), None)
+        assert isinstance(cat, ast.Constant) and cat.value in DECODE_ERROR_CATEGORIES, f"{where}:{line}"
 
 
 def test_decode_accepts_integer_times() -> None:

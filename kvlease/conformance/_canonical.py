@@ -32,7 +32,6 @@ __all__ = [
     "JSON",
     "JSONDict",
     "compare",
-    "decode_error_category",
     "message_to_json",
     "output_to_json",
     "strip_informative",
@@ -109,33 +108,6 @@ def output_to_json(o: Output, *, annotate: bool = False) -> JSONDict:
         case AccessStale():
             return {"type": "AccessStale", "key": o.key, "lease_id": o.lease_id, "reason_text": o.reason}
     raise TypeError(f"not an output: {o!r}")  # pragma: no cover
-
-
-def decode_error_category(text: str) -> str:
-    """Map a Python `DecodeError` message to the language-neutral category of the vectors:
-    ``frame`` (not a frame at all: wrong magic, too large, not bytes / not UTF-8), ``body``
-    (the msgpack body is malformed, not an array, or breaks a decoder limit), ``version``,
-    ``type``, ``arity`` (wrong field count) or ``field`` (a field's type or bound)."""
-    if (
-        text.startswith("not a kvlease frame")
-        or "-byte bound" in text
-        or text.startswith("expected bytes")
-        or "is not UTF-8" in text
-        or text.startswith("not a vLLM notification")
-        or ("exceeds" in text and text.startswith("vLLM notification"))
-    ):
-        return "frame"
-    if text.startswith("malformed msgpack body") or text.startswith("expected an array [version"):
-        return "body"
-    if text.startswith("authentication"):
-        return "auth"
-    if text.startswith("unsupported protocol version"):
-        return "version"
-    if text.startswith("unknown message type"):
-        return "type"
-    if text.startswith("message type") and "fields, got" in text:
-        return "arity"
-    return "field"
 
 
 def strip_informative(v: JSON) -> JSON:

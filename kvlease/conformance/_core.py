@@ -20,7 +20,7 @@ from .._events import Output
 from .._messages import Handshake, HandshakeReply, LeaseKind, LeaseTicket
 from .._pinner import Pinner
 from .._vllm_compat import VllmHeartbeat, decode_vllm
-from ._canonical import JSON, JSONDict, decode_error_category, message_to_json, output_to_json
+from ._canonical import JSON, JSONDict, message_to_json, output_to_json
 
 __all__ = ["CoreImplementation", "VectorFormatError"]
 
@@ -33,7 +33,7 @@ class VectorFormatError(KvLeaseError):
 def error_response(exc: BaseException) -> JSONDict:
     err: JSONDict = {"class": type(exc).__name__, "error_message": str(exc)}
     if isinstance(exc, DecodeError):
-        err["category"] = decode_error_category(str(exc))
+        err["category"] = exc.category
     return {"ok": False, "error": err}
 
 
@@ -150,7 +150,7 @@ class CoreImplementation:
         if op == "handshake":
             msg = decode(_hex(args, "hex"))
             if not isinstance(msg, Handshake):
-                raise DecodeError(f"handshake op needs a Handshake, got {type(msg).__name__}")
+                raise DecodeError(f"handshake op needs a Handshake, got {type(msg).__name__}", category="type")
             reply = p.handshake_reply(now, msg)
             return {"hex": encode(reply).hex()}, ()
         if op == "receive_vllm":
@@ -190,7 +190,9 @@ class CoreImplementation:
         if op == "handshake_reply":
             msg = decode(_hex(args, "hex"))
             if not isinstance(msg, HandshakeReply):
-                raise DecodeError(f"handshake_reply op needs a HandshakeReply, got {type(msg).__name__}")
+                raise DecodeError(
+                    f"handshake_reply op needs a HandshakeReply, got {type(msg).__name__}", category="type"
+                )
             return None, a.handshake_reply(now, msg)
         if op == "disconnect":
             return None, a.disconnect(now, _str(args, "engine_id"))
