@@ -1107,9 +1107,8 @@ def codec_cases() -> dict[str, Any]:
             decode(sealed_new.open(raw))
         except Exception as exc:
             from kvlease import DecodeError
-            from kvlease.conformance import decode_error_category
 
-            assert isinstance(exc, DecodeError) and decode_error_category(str(exc)) == "auth", (name, exc)
+            assert isinstance(exc, DecodeError) and exc.category == "auth", (name, exc)
         else:
             raise AssertionError(f"{name} opened")
         cases.append({"name": name, "codec": "sealed", "keys": [key_new.hex()], "hex": raw.hex(),
@@ -1120,10 +1119,9 @@ def codec_cases() -> dict[str, Any]:
             fn(raw)
         except Exception as exc:
             from kvlease import DecodeError
-            from kvlease.conformance import decode_error_category
 
             assert isinstance(exc, DecodeError), (name, exc)
-            assert decode_error_category(str(exc)) in cats, (name, str(exc), cats)
+            assert exc.category in cats, (name, str(exc), exc.category, cats)
         else:
             raise AssertionError(f"{name} decoded")
         cases.append({"name": name, "codec": codec, "hex": raw.hex(),
