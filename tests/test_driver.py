@@ -391,8 +391,9 @@ def test_attached_confirmation_is_answered_even_when_the_answer_races_the_comple
 
 def test_driver_errors_are_kvlease_errors() -> None:
     """Misuse and the unreachable hint sit under KvLeaseError, so one except catches them."""
-    from kvlease import KvLeaseError, LocalProtocolError
     from kvlease.transports import PeerUnreachable
+
+    from kvlease import KvLeaseError, LocalProtocolError
 
     t = ZmqTransport("X")
     try:
@@ -527,3 +528,62 @@ async def test_idle_run_sleeps_on_the_sockets_and_wakes_for_input() -> None:
         stop.set()
         raw.close(0)
         p.close()
+
+
+class _Unpollable:
+    """A ZMQ transport seen through a wrapper that hides its descriptors, as NIXL's are hidden:
+    the driver must poll it."""
+
+    def __init__(self, inner: ZmqTransport) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("wait_fds", "ready"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+@pytest.mark.asyncio
+async def test_idle_run_backs_off_polling_a_transport_without_descriptors() -> None:
+    from kvlease.transports import Pollable
+
+    from kvlease import KvLeaseError
+
+    cfg = CFG.with_changes(vllm_compat=True, kv_lease_duration=60.0)
+    inner = ZmqTransport("P")
+    tr = _Unpollable(inner)
+    assert not isinstance(tr, Pollable)
+    p = Driver(tr, pinner=Pinner(cfg, "P", 3), vllm_compat=True)  # type: ignore[arg-type]
+    steps = 0
+    real_step = p.step
+
+    def counting_step() -> list[DriverEvent]:
+        nonlocal steps
+        steps += 1
+        return real_step()
+
+    p.step = counting_step  # type: ignore[method-assign]
+    p.grant("req-1")
+    stop = asyncio.Event()
+    task = asyncio.create_task(p.run(stop, poll_interval=0.001, max_poll_interval=0.05))
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.IDENTITY, b"vllm-d\x000")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(inner.address)
+    try:
+        await asyncio.sleep(1.0)
+        # 1 ms polling would step up to ~1000 times; backing off to 50 ms, about 25.
+        assert steps < 100, steps
+        raw.send_multipart([b"M", b"HB:req-1"])
+        for _ in range(200):
+            if p.stats.heartbeats_received >= 1:
+                break
+            await asyncio.sleep(0.01)
+        assert p.stats.heartbeats_received >= 1
+        with pytest.raises(KvLeaseError, match="poll_interval <= max_poll_interval"):
+            await p.run(stop, poll_interval=0.1, max_poll_interval=0.01)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5.0)
+        raw.close(0)
+        inner.close()

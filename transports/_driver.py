@@ -239,6 +239,7 @@ class Driver:
         self._renewed_seen = 0
         self._missing_seen = 0
         self._last_now = float("-inf")
+        self._busy = False  # the last step had input or transfers in flight (for run's backoff)
 
     # -- time -------------------------------------------------------------------------------
 
@@ -410,7 +411,9 @@ class Driver:
         now = self.now()
         tr = self.transport
         inbound_frames = tr.receive()  # first: a transport may fill the other queues here
-        for hev in tr.poll_handshakes():
+        handshakes = tr.poll_handshakes()
+        self._busy = bool(inbound_frames or handshakes or self._accesses)
+        for hev in handshakes:
             match hev:
                 case HandshakeRequest():
                     self._answer_handshake(now, hev)
@@ -463,13 +466,24 @@ class Driver:
             raise first
 
     async def run(
-        self, stop: asyncio.Event | None = None, *, poll_interval: float = 0.001, max_wait: float = 1.0
+        self,
+        stop: asyncio.Event | None = None,
+        *,
+        poll_interval: float = 0.001,
+        max_poll_interval: float = 0.05,
+        max_wait: float = 1.0,
     ) -> None:
         """Serve until `stop` is set: step, then sleep until the next deadline or until the
         transport has input. A `Pollable` transport is awaited on its descriptors (at most
-        `max_wait` at a time, a safety net); any other one is stepped every `poll_interval`."""
-        if not (poll_interval > 0 and max_wait > 0):
-            raise LocalProtocolError(f"poll_interval and max_wait must be > 0 (got {poll_interval}, {max_wait})")
+        `max_wait` at a time, a safety net). Any other one is polled: every `poll_interval`
+        while there is traffic, backing off by doubling to `max_poll_interval` while idle (the
+        first frame after a quiet spell waits at most that long; no deadline is ever late)."""
+        if not (0 < poll_interval <= max_poll_interval and max_wait > 0):
+            raise LocalProtocolError(
+                "run() needs 0 < poll_interval <= max_poll_interval and max_wait > 0 "
+                f"(got {poll_interval}, {max_poll_interval}, {max_wait})"
+            )
+        interval = poll_interval
         loop = asyncio.get_running_loop()
         tr = self.transport
         pollable = tr if isinstance(tr, Pollable) else None
@@ -477,8 +491,9 @@ class Driver:
         try:
             while stop is None or not stop.is_set():
                 self.step()
+                interval = poll_interval if self._busy else min(2 * interval, max_poll_interval)
                 d = self.next_deadline()
-                delay = max_wait if pollable is not None else poll_interval
+                delay = max_wait if pollable is not None else interval
                 if d is not None:
                     delay = max(0.0, min(delay, d - self.now()))
                 if delay <= 0.0 or (pollable is not None and pollable.ready()):
