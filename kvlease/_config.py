@@ -7,6 +7,7 @@ validity) are properties, so they can never disagree with the fields they come f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -55,6 +56,12 @@ def _key_sources() -> Any:
             )
 
     return check
+
+
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    # A typed `tuple`: with the bare builtin as converter, mypy's attrs plugin types the argument
+    # as an unsolved `Iterable[_T_co]` and refuses every call that passes `auth_keys`.
+    return tuple(value)
 
 
 def _boolean() -> Any:
@@ -109,7 +116,7 @@ class LeaseConfig:
     #: key as at least 32 hex digits. The first key seals what this endpoint sends; every listed
     #: key opens what it receives (a rotation lists the new key and the old one). The key itself
     #: never enters this object, a repr or a log line; the driver reads it at start-up.
-    auth_keys: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_key_sources())
+    auth_keys: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple, validator=_key_sources())
     #: With `auth_keys` set, also accept stock vLLM ``HB:`` / ``id:count`` notifications, which
     #: cannot be authenticated (anyone who can reach the pinner can then renew or end a lease
     #: by request id). Off by default.
