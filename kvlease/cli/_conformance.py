@@ -10,17 +10,37 @@ import json
 import os
 import selectors
 import shlex
+import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 
 import click
 
+from kvlease import KvLeaseError
 from kvlease.conformance import CoreImplementation, Implementation, JSONDict, VectorResult, run_vector
 
 __all__ = ["DriverError", "SubprocessDriver", "conformance", "default_vectors_dir", "load_vectors"]
 
 
-class DriverError(Exception):
+def _resolve(program: str) -> str:
+    """A bare command name is looked up on PATH, then beside this interpreter, so the console
+    scripts of the environment kvlease runs from (``kvlease-conformance-driver``) work without
+    activating it."""
+    if os.sep in program:
+        return program
+    found = shutil.which(program)
+    if found is None:
+        beside = Path(sys.executable).parent / program
+        if beside.is_file() and os.access(beside, os.X_OK):
+            return str(beside)
+    return found or program
+
+
+class DriverError(KvLeaseError):
     """The external driver died, hung, or answered something that is not one JSON object."""
 
 
@@ -38,6 +58,7 @@ class SubprocessDriver:
             raise DriverError(f"cannot parse the driver command {command!r}: {exc}") from None
         if not argv:
             raise DriverError("the driver command is empty")
+        argv[0] = _resolve(argv[0])
         try:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -119,11 +140,12 @@ class SubprocessDriver:
         self.close()
 
 
-def default_vectors_dir() -> Path:
-    """spec/vectors of the source tree kvlease was installed from (editable installs)."""
-    import kvlease
-
-    return Path(kvlease.__file__).resolve().parent.parent / "spec" / "vectors"
+@contextmanager
+def default_vectors_dir() -> Iterator[Path]:
+    """The vectors shipped with kvlease: package data of ``kvlease.spec`` (the source tree's
+    ``spec/``, where they are edited; an installed wheel carries a copy), as a directory."""
+    with resources.as_file(resources.files("kvlease.spec").joinpath("vectors")) as path:
+        yield path
 
 
 def load_vectors(directory: Path, names: tuple[str, ...] = ()) -> list[JSONDict]:
@@ -147,10 +169,10 @@ def run_all(vectors: list[JSONDict], impl: Implementation) -> list[VectorResult]
 @click.command()
 @click.option("--driver", "driver_cmd", metavar="CMD", default=None,
               help="Check an external implementation: a command speaking the driver protocol "
-              "(spec/vectors/README.md) on stdin/stdout, e.g. "
-              "'python -m kvlease.cli._conformance_driver'.")
+              "(spec/vectors/README.md) on stdin/stdout, e.g. the reference driver, "
+              "'kvlease-conformance-driver' (installed beside kvlease).")
 @click.option("--vectors", "vectors_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="Directory of vector files (default: the source tree's spec/vectors).")
+              default=None, help="Directory of vector files (default: the vectors shipped with kvlease).")
 @click.option("--only", "names", multiple=True, metavar="NAME", help="Run only this vector (repeatable).")
 @click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for each driver answer.")
 def conformance(driver_cmd: str | None, vectors_dir: Path | None, names: tuple[str, ...], timeout: float) -> None:
@@ -158,10 +180,14 @@ def conformance(driver_cmd: str | None, vectors_dir: Path | None, names: tuple[s
     from rich.console import Console
     from rich.table import Table
 
-    directory = vectors_dir or default_vectors_dir()
-    if not directory.is_dir():
-        raise click.ClickException(f"no vectors at {directory}; pass --vectors DIR")
-    vectors = load_vectors(directory, names)
+    if vectors_dir is None:
+        with default_vectors_dir() as directory:
+            if not directory.is_dir():
+                raise click.ClickException(f"no vectors at {directory} (a broken install?); pass --vectors DIR")
+            vectors = load_vectors(directory, names)
+    else:
+        directory = vectors_dir
+        vectors = load_vectors(directory, names)
     if not vectors:
         raise click.ClickException(f"no vectors matched in {directory}")
     if driver_cmd is None:

@@ -1,6 +1,6 @@
 """The reference conformance driver: the Python core behind the line-based JSON protocol.
 
-    python -m kvlease.cli._conformance_driver
+    kvlease-conformance-driver        (or: python -m kvlease.cli._conformance_driver)
 
 Reads one JSON request per line on stdin and writes one JSON response per line on stdout
 (spec/vectors/README.md), by handing each request to `kvlease.conformance.CoreImplementation`.
@@ -34,5 +34,10 @@ def serve(stdin: TextIO, stdout: TextIO) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The ``kvlease-conformance-driver`` console script."""
     sys.exit(serve(sys.stdin, sys.stdout))
+
+
+if __name__ == "__main__":
+    main()
