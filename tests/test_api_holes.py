@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import pytest
@@ -397,7 +397,7 @@ def test_3_reply_to_another_accessors_handshake_skews_fixed_ttl_deadline(session
     est = acc.clock_estimator(PIN)
     assert not acc.is_connected(PIN) and est is not None and est.sample_count == 0
     assert acc.valid_until("k") is None
-    events: list[object] = refused
+    events: list[object] = list(refused)
     # A retries its own handshake at a(110); P answers it (at p(20)) and A heartbeats; P acks
     # (fixed-TTL: acknowledged, not extended).
     retry = acc.handle_timeout(a(110.0))
@@ -627,7 +627,7 @@ def _accessor_tracking() -> Accessor:
     return acc
 
 
-NON_FINITE_CALLS = {
+NON_FINITE_CALLS: dict[str, Callable[[LocalTime], object]] = {
     "pinner.grant": lambda now: _pinner_at_zero()[0].grant(now, "k2"),
     "pinner.handle_timeout": lambda now: _pinner_at_zero()[0].handle_timeout(now),
     "pinner.release": lambda now: _pinner_at_zero()[0].release(now, 1),

@@ -168,7 +168,7 @@ def test_a_keyed_driver_drops_and_counts_what_is_not_sealed_with_its_key(monkeyp
     d = Driver(ZmqTransport("D", bind="tcp://127.0.0.1:0"), accessor=Accessor(cfg, "D", session=11))
     try:
         ticket = p.grant("req-1")
-        d.track("req-1", ticket, address=p.transport.address)  # type: ignore[attr-defined]
+        d.track("req-1", ticket, address=p.transport.address)
         _pump([p, d], lambda: d.accessor is not None and d.accessor.valid_until("req-1") is not None)
         forged = [
             encode(AccessDone("D", 0, 1, 11, ticket.incarnation, ticket.lease_id, 1, False, LocalTime(1.0))),
@@ -180,7 +180,7 @@ def test_a_keyed_driver_drops_and_counts_what_is_not_sealed_with_its_key(monkeyp
         # The attacker reaches P's socket like any peer would (ZMQ routes by address).
         attacker_dealer = zmq.Context.instance().socket(zmq.DEALER)
         attacker_dealer.setsockopt(zmq.IDENTITY, b"X\x000")
-        attacker_dealer.connect(p.transport.address)  # type: ignore[attr-defined]
+        attacker_dealer.connect(p.transport.address)
         for data in forged:
             attacker_dealer.send_multipart([b"M", data])
         _pump([p, d], lambda: p.stats.unauthenticated_messages >= 3)
@@ -201,7 +201,7 @@ def test_an_unkeyed_driver_refuses_sealed_frames() -> None:
     try:
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, b"X\x000")
-        dealer.connect(p.transport.address)  # type: ignore[attr-defined]
+        dealer.connect(p.transport.address)
         dealer.send_multipart([b"M", FrameAuth([K1]).seal(encode(HB))])
         _pump([p], lambda: p.stats.unauthenticated_messages == 1)
         dealer.close(linger=0)

@@ -50,6 +50,7 @@ from kvlease import (
     LocalProtocolError,
     LocalTime,
     LostReason,
+    PeerTime,
     Pinner,
     TrackedState,
 )
@@ -349,14 +350,14 @@ class _UnboundAccessor(Accessor):
     """v1: trusts any reply on its seq and echoed time alone, whoever it was meant for, and
     restarts its seq at 1 per connection (v1's per-engine counter)."""
 
-    def _on_ack(self, now: float, ack: HeartbeatAck) -> tuple[AccessorOutput, ...]:  # type: ignore[override]
-        return super()._on_ack(LocalTime(now), attrs.evolve(ack, to_rank=self.rank, to_session=self.session))
+    def _on_ack(self, now: LocalTime, ack: HeartbeatAck) -> tuple[AccessorOutput, ...]:
+        return super()._on_ack(now, attrs.evolve(ack, to_rank=self.rank, to_session=self.session))
 
     def handshake_reply(self, now: LocalTime, reply: HandshakeReply) -> tuple[AccessorOutput, ...]:
         eng = self._engines.get(reply.engine_id)
         if eng is not None and eng.handshakes:
             seq, t = next(reversed(eng.handshakes.items()))
-            reply = attrs.evolve(reply, to_rank=self.rank, to_session=self.session, seq=seq, t_echo=t)
+            reply = attrs.evolve(reply, to_rank=self.rank, to_session=self.session, seq=seq, t_echo=PeerTime(t))
         return super().handshake_reply(now, reply)
 
     def disconnect(self, now: LocalTime, engine_id: str) -> tuple[AccessorOutput, ...]:
@@ -410,7 +411,7 @@ def test_model_catches_each_v1_hole(name: str) -> None:
 
     with pytest.raises((InvariantViolation, ExceptionGroup)) as caught:
         run_state_machine_as_test(
-            broken,  # type: ignore[arg-type]
+            broken,
             settings=settings(
                 max_examples=max(EXAMPLES, 3000),
                 stateful_step_count=max(STEPS, 40),

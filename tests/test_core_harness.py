@@ -119,13 +119,13 @@ class CompletesAnythingAccessor(Accessor):
         super().begin_access(now, key)
         return AccessDecision(True, True, None)
 
-    def access_finished(self, now: LocalTime, key: str) -> tuple[AccessorOutput, ...]:
+    def access_finished(self, now: LocalTime, key: str, *, notified: bool = False) -> tuple[AccessorOutput, ...]:
         return (AccessCompleted(key, 1, confirmed_by_pinner=False),)
 
 
 class EchoingAccessor(Accessor):
-    def access_finished(self, now: LocalTime, key: str) -> tuple[AccessorOutput, ...]:
-        out = super().access_finished(now, key)
+    def access_finished(self, now: LocalTime, key: str, *, notified: bool = False) -> tuple[AccessorOutput, ...]:
+        out = super().access_finished(now, key, notified=notified)
         return out + tuple(o for o in out if isinstance(o, AccessCompleted))
 
 

@@ -45,7 +45,7 @@ def test_a_lease_granted_for_a_known_accessor_has_no_unbound_window() -> None:
     try:
         tickets = [p.grant(f"req-{i}", accessor="D") for i in range(1, 11)]
         x.setsockopt(zmq.IDENTITY, b"X\x000")
-        x.connect(p.transport.address)  # type: ignore[attr-defined]
+        x.connect(p.transport.address)
         for t in tickets:
             forged = AccessDone("Z", 0, 1, 1, t.incarnation, t.lease_id, 1, False, LocalTime(0.0))
             x.send_multipart([b"M", encode(forged)])
