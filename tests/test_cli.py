@@ -79,3 +79,15 @@ def test_bench_runs_scripts_with_quick_and_reports_failures(tmp_path: Path) -> N
     assert r.returncode != 0 and "broken" in r.stderr
     r = kvlease_cmd("bench", "--dir", str(tmp_path), "nosuch")
     assert r.returncode == 2 and "nosuch" in r.stderr
+
+
+def test_too_short_lease_says_the_shortest_that_works() -> None:
+    r = kvlease_cmd("demo", "--lease", "0.01")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--lease" in r.stderr and "validity_margin" not in r.stderr
+    shortest = float(r.stderr.split("accept is ")[1].split()[0])
+    # The shortest accepted lease is accepted, and a hair less is not (three digits).
+    from kvlease.cli._demo import _config_ok
+
+    assert _config_ok(shortest) and not _config_ok(shortest * 0.99)
+    assert 0.01 < shortest < 1.0

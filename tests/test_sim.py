@@ -135,8 +135,94 @@ def test_cli_plot_writes_small_pngs(tmp_path: Path) -> None:
 
 def test_the_simulator_loads_no_plotting_or_terminal_library() -> None:
     probe = (
-        "import sys, kvlease.sim\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'rich')))"
+        "import sys, kvlease.sim\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('matplotlib', 'rich')))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+_TABLE_ARGS = ["sim", "--duration", "120", "--crash-at", "30", "--stall", "none", "--seed", "2"]
+
+
+def _expected_cells() -> dict[str, list[str]]:
+    """Each policy's numbers as the table must show them, from the same run's JSON."""
+    from kvlease.cli._sim import _COLUMNS, _fmt
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlease", *_TABLE_ARGS, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    results = json.loads(out.stdout)["results"]
+    cells = {r["policy"]: [_fmt(r[k], f) for k, _, f in _COLUMNS] for r in results}
+    assert any(len(c) >= 7 for row in cells.values() for c in row)  # numbers that used to be cut (`351,…`)
+    return cells
+
+
+def test_the_table_piped_at_80_columns_shows_every_number_whole() -> None:
+    expected = _expected_cells()
+    env = {**os.environ, "COLUMNS": "80"}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlease", *_TABLE_ARGS],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        timeout=300,
+    ).stdout
+    assert "…" not in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    for policy, cells in expected.items():
+        assert [c.strip() for c in rows[policy].split("|")[2:-1]] == cells, rows[policy]
+
+
+def test_the_table_in_an_80_column_terminal_shows_every_number_whole() -> None:
+    import re
+
+    import pexpect
+
+    expected = _expected_cells()
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "kvlease", *_TABLE_ARGS],
+        dimensions=(50, 80),
+        encoding="utf-8",
+        timeout=300,
+        env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "80"},
+    )
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", child.before).replace("\r", "")
+    text = text[text.index("seed 2:") :]  # after the progress bar
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert "…" not in text
+    # The columns may be split over several tables: each policy's cells, in order, across them.
+    got: dict[str, list[str]] = {}
+    for line in lines:
+        parts = [p.strip() for p in line.split("│")]
+        if len(parts) > 2 and parts[1] in expected:
+            got.setdefault(parts[1], []).extend(parts[2:-1])
+    assert got == expected
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    # A `matplotlib` that fails to import, first on the path: a machine without the extra.
+    fake = tmp_path / "matplotlib"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlease", "sim", "--duration", "30", "--plot", str(tmp_path / "figs")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "pip install 'kvlease[sim]'" in out.stderr and "--plot" in out.stderr
+    assert not (tmp_path / "figs").exists()

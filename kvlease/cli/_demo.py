@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -24,8 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import IO, Any
 
 import click
@@ -152,18 +151,39 @@ def _expected_duration(name: str, config: LeaseConfig) -> float:
     return config.kv_lease_duration + 1.0
 
 
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM takes the same clean path as Ctrl-C: children killed and reaped in finally."""
+class _StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM, noted by the handler and acted on by the main loop.
 
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+    The handler only records the signal: a `KeyboardInterrupt` raised wherever the main thread
+    happens to be can land inside `queue.Queue.get`'s condition wait and leave its lock
+    released twice (``RuntimeError: release unlocked lock``), so the demo raises it itself, at
+    the top of its loop. SIGINT is taken over only if Python's default handler is installed:
+    a demo started with SIGINT ignored (``nohup``, a background job) keeps ignoring it."""
 
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            current = signal.getsignal(sig)
+            if sig == signal.SIGINT and current is not signal.default_int_handler:
+                continue
+            self._old[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.signum = signum
+
+    def check(self) -> None:
+        """Raise `KeyboardInterrupt` here if a stop signal came: children are then killed and
+        reaped by the `finally` clauses on the way out."""
+        if self.signum is not None:
+            raise KeyboardInterrupt
 
 
 def _run_scenario(
@@ -174,6 +194,7 @@ def _run_scenario(
     log_level: str,
     view: Any,
     metrics: _Metrics | None,
+    stop: _StopSignals,
 ) -> ScenarioRun:
     blocks_per = 16
     epochs = {"pinner": random.uniform(1e4, 2e5), "accessor": random.uniform(1e4, 2e5)}
@@ -201,6 +222,7 @@ def _run_scenario(
         exited: set[str] = set()
         grant_time: float | None = None
         while len(exited) < 2:
+            stop.check()
             if time.monotonic() > deadline:
                 run.timed_out = True
                 break
@@ -221,10 +243,16 @@ def _run_scenario(
                 pinner.send({"op": "grant"})  # D is connected: requests arrive
             elif kind == "grant" and role == "pinner" and accessor is not None:
                 # The router carries the ticket to D with the request (kv_transfer_params).
-                accessor.send({
-                    "op": "track", "key": ev["key"], "ticket": ev["ticket"], "slot": ev["slot"],
-                    "seed": ev["seed"], "address": ev["address"],
-                })
+                accessor.send(
+                    {
+                        "op": "track",
+                        "key": ev["key"],
+                        "ticket": ev["ticket"],
+                        "slot": ev["slot"],
+                        "seed": ev["seed"],
+                        "address": ev["address"],
+                    }
+                )
             elif kind == "eof":
                 exited.add(role)
                 if role == "pinner" and accessor is None:
@@ -254,9 +282,11 @@ def _run_scenario(
             view.update(run)
         for child in children:
             if not run.timed_out:
-                try:
-                    child.proc.wait(timeout=5.0)
-                except subprocess.TimeoutExpired:
+                waited_until = time.monotonic() + 5.0
+                while child.proc.poll() is None and time.monotonic() < waited_until:
+                    stop.check()
+                    time.sleep(0.02)
+                if child.proc.poll() is None:
                     run.errors.append(f"the {child.role} process did not exit after its scenario")
             rc = child.proc.returncode
             if rc not in (0, None) and not (child.role == "accessor" and run.kill_time is not None):
@@ -373,6 +403,35 @@ def _summary_table(results: list[ScenarioResult], config: LeaseConfig, bounds: B
     return t
 
 
+def _demo_config(lease: float) -> LeaseConfig:
+    """The lease configuration the demo runs: `--lease` and what derives from it."""
+    return LeaseConfig(kv_lease_duration=lease, max_access_time=min(2.0, lease / 10))
+
+
+def _shortest_lease(too_short: float) -> float:
+    """The shortest `--lease` (three significant digits, rounded up) that `_demo_config`
+    accepts: found by asking the configuration itself, so it never disagrees with it."""
+    lo, hi = too_short, max(1.0, too_short)
+    while not _config_ok(hi):
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _config_ok(mid) else (mid, hi)
+    scale = 10.0 ** (math.floor(math.log10(hi)) - 2)
+    steps = math.ceil(hi / scale)
+    while not _config_ok(float(f"{steps * scale:.3g}")):  # rounding may land a hair short
+        steps += 1
+    return float(f"{steps * scale:.3g}")
+
+
+def _config_ok(lease: float) -> bool:
+    try:
+        _demo_config(lease)
+    except ConfigError:
+        return False
+    return True
+
+
 def _check_transport(transport: str) -> None:
     if transport == "nixl":
         try:
@@ -447,9 +506,15 @@ def demo(
     level = log_level.upper()
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s demo %(levelname)s %(name)s: %(message)s")
     try:
-        config = LeaseConfig(kv_lease_duration=lease, max_access_time=min(2.0, lease / 10))
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--lease'") from None
+        config = _demo_config(lease)
+    except ConfigError:
+        shortest = _shortest_lease(lease)
+        raise click.BadParameter(
+            f"{lease:g} s is too short: with the demo's other settings (heartbeat every lease/6, extension "
+            f"2 x lease/3, validity margin {LeaseConfig().validity_margin:g} s) the shortest lease these "
+            f"settings accept is {shortest:g} s",
+            param_hint="'--lease'",
+        ) from None
     bounds = Bounds.from_config(config, TICK)
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     metrics = _Metrics(metrics_port) if metrics_port is not None else None
@@ -458,10 +523,11 @@ def demo(
     results: list[ScenarioResult] = []
     interactive = not as_json and sys.stdout.isatty()
     try:
-        with _sigterm_as_interrupt(), _View(interactive, names, config) as view:
+        with _StopSignals() as stop, _View(interactive, names, config) as view:
             for name in names:
                 view.start(name)
-                run = _run_scenario(name, transport, config, requests, level, view, metrics)
+                run = _run_scenario(name, transport, config, requests, level, view, metrics, stop)
+                stop.check()
                 results.append(evaluate(run, config, bounds))
                 view.done()
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -65,23 +66,57 @@ def _parse_burst(value: str) -> tuple[float, float, float] | None:
     return start, length, rate
 
 
+_LEGEND = (
+    "dead blk·s: KV blocks pinned for dead requests x seconds; false frees: leases freed while a live decoder "
+    "still needed them; stale used: reads of freed blocks handed to the engine; reclaim: s from decoder death to free"
+)
+
+
 def _table(results: list[RunResult], title: str) -> None:
+    """The comparison for a person: rich tables in a terminal, as many as the width needs
+    (every number whole, never cut to ``25,…``); the Markdown table when piped."""
+    if not sys.stdout.isatty():
+        click.echo(title)
+        click.echo(markdown_table(results))
+        click.echo(textwrap.fill(_LEGEND, 80))
+        return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title)
-    table.add_column("policy", style="bold", no_wrap=True)
-    for _, header, _ in _COLUMNS:
-        table.add_column(header, justify="right")
-    table.caption = (
-        "dead blk·s: KV blocks pinned for dead requests x seconds; false frees: leases freed while "
-        "a live decoder still needed them; stale used: reads of freed blocks handed to the engine; "
-        "reclaim: s from decoder death to free"
-    )
-    for r in results:
-        s = r.summary()
-        table.add_row(r.policy, *(_fmt(s[k], f) for k, _, f in _COLUMNS))
-    Console().print(table)
+    console = Console()
+    rows = [(r.policy, [_fmt(r.summary()[k], f) for k, _, f in _COLUMNS]) for r in results]
+    groups = _column_groups(rows, console.width)
+    for i, group in enumerate(groups):
+        table = Table(title=title if i == 0 else None)
+        table.add_column("policy", style="bold", no_wrap=True)
+        for c in group:
+            table.add_column(_COLUMNS[c][1], justify="right", no_wrap=False, min_width=_cell_width(rows, c))
+        for policy, cells in rows:
+            table.add_row(policy, *(cells[c] for c in group))
+        console.print(table)
+    console.print(_LEGEND, style="dim")
+
+
+def _cell_width(rows: list[tuple[str, list[str]]], column: int) -> int:
+    """The narrowest a column can be: its widest number, or its header's longest word."""
+    header_word = max(len(w) for w in _COLUMNS[column][1].split())
+    return max(header_word, *(len(cells[column]) for _, cells in rows))
+
+
+def _column_groups(rows: list[tuple[str, list[str]]], width: int) -> list[list[int]]:
+    """The columns split, in order, into tables that each fit `width` (a rich table with box
+    borders: three characters per column besides its text, plus one)."""
+    policy = 3 + max(len("policy"), *(len(p) for p, _ in rows))
+    groups: list[list[int]] = [[]]
+    used = policy + 1
+    for c in range(len(_COLUMNS)):
+        need = 3 + _cell_width(rows, c)
+        if groups[-1] and used + need > width:
+            groups.append([])
+            used = policy + 1
+        groups[-1].append(c)
+        used += need
+    return groups
 
 
 def markdown_table(results: list[RunResult]) -> str:
@@ -99,8 +134,13 @@ def _progress() -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        disable=not sys.stderr.isatty(), console=None, transient=False,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        disable=not sys.stderr.isatty(),
+        console=None,
+        transient=False,
     )
 
 
@@ -112,6 +152,15 @@ def _run_policies(scenario: Scenario, policies: list[Policy]) -> list[RunResult]
             results.append(_Cluster(scenario, policy).run())
             progress.advance(task)
     return results
+
+
+def _check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise click.UsageError(
+            f"--plot needs matplotlib ({exc}); install the extra: pip install 'kvlease[sim]'"
+        ) from None
 
 
 def _plots(
@@ -240,8 +289,11 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
             path.write_text(json.dumps(record, indent=1) + "\n")
             record["written_to"] = str(path)
             vector = record_vector(
-                scenario, violation.claim, name=f"sim_seed{seed}_{violation.claim.replace('-', '_')}",
-                pinner_factory=pinner_factory, accessor_factory=accessor_factory,
+                scenario,
+                violation.claim,
+                name=f"sim_seed{seed}_{violation.claim.replace('-', '_')}",
+                pinner_factory=pinner_factory,
+                accessor_factory=accessor_factory,
             )
             if vector is not None:
                 vpath = out / f"sim_seed{seed}_{violation.claim.replace('-', '_')}.json"
@@ -280,7 +332,10 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
 @click.command()
 @click.option("--seed", type=int, default=1, show_default=True, help="Workload and fault seed.")
 @click.option(
-    "--policy", "policies", multiple=True, type=click.Choice(_POLICY_NAMES),
+    "--policy",
+    "policies",
+    multiple=True,
+    type=click.Choice(_POLICY_NAMES),
     help="Policies to compare (repeatable; default: all).",
 )
 @click.option("--duration", type=float, default=900.0, show_default=True, help="Simulated seconds.")
@@ -301,17 +356,20 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
 @click.option("--campaign", "campaign_n", type=int, help="Run the fault campaign over N seeds instead.")
 @click.option("--first-seed", type=int, default=0, show_default=True, help="First campaign seed.")
 @click.option(
-    "--out", type=click.Path(file_okay=False, path_type=Path),
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
     help="Campaign: write each violation here as a conformance-vector candidate (replay: kvlease conformance "
     "--vectors DIR) and, in DIR/traces, as a simulator record (replay: kvlease sim --replay FILE).",
 )
 @click.option(
-    "--inject-bug", type=click.Choice(sorted(BUGS)),
+    "--inject-bug",
+    type=click.Choice(sorted(BUGS)),
     help="Campaign: run a deliberately broken core, to see the campaign fail.",
 )
 @click.option("--max-reports", type=int, default=3, show_default=True, help="Campaign: minimize and report this many.")
 @click.option(
-    "--replay", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    "--replay",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
     help="Rerun the scenario of a violation record written by --out.",
 )
 def sim(
@@ -352,6 +410,8 @@ def sim(
         if campaign_n < 1:
             raise click.BadParameter("must be >= 1", param_hint="--campaign")
         sys.exit(_campaign(campaign_n, first_seed, out, inject_bug, as_json, max_reports))
+    if plot_dir is not None:
+        _check_matplotlib()  # before minutes of simulation, not after
     chosen = [Policy(p) for p in policies] if policies else list(Policy)
     stalled: tuple[float, float] | None = None
     if stall.lower() not in ("none", "off", ""):
@@ -361,7 +421,11 @@ def sim(
             raise click.BadParameter(f"expected START,LENGTH, got {stall!r}", param_hint="--stall") from None
         stalled = (s_start, s_len)
     scenario = default_scenario(
-        seed, duration=duration, rate=rate, crash_at=crash_at if crash_at >= 0 else None, burst=_parse_burst(burst),
+        seed,
+        duration=duration,
+        rate=rate,
+        crash_at=crash_at if crash_at >= 0 else None,
+        burst=_parse_burst(burst),
         stall=stalled,
     )
     started = time.perf_counter()
