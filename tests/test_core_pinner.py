@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from typing import TypedDict
 
 import pytest
 from hypothesis import given
@@ -31,6 +32,7 @@ from kvlease import (
     LeaseState,
     LocalProtocolError,
     LocalTime,
+    Message,
     PeerTime,
     Pinner,
     PinnerOutput,
@@ -47,6 +49,29 @@ ACC = "decode-0"
 OTHER = "decode-1"
 SES = 0x5E55_1011  # the accessor's session
 ATTEMPT = 41
+
+
+class Speaker(TypedDict, total=False):
+    """Who a test message claims to come from, where it differs from the defaults."""
+
+    engine: str
+    session: int
+
+
+class Layout(TypedDict, total=False):
+    """A TP layout, where it differs from the defaults (rank 0 of 1)."""
+
+    rank: int
+    ranks: int
+
+
+class GrantOptions(TypedDict, total=False):
+    """Keyword arguments of `Pinner.grant`."""
+
+    kind: LeaseKind
+    ttl: float
+    expected: int
+    lease_id: int
 
 
 def _t(dt: float) -> LocalTime:
@@ -148,7 +173,7 @@ def _ended(reason: EndReason) -> Builder:
             out = p.receive(_t(1), _rel((lid,)))
         else:
             out = p.handle_timeout(_t(6.0))
-        assert [type(o) for o in out] == [Free] and out[0].reason is reason  # type: ignore[union-attr]
+        assert len(out) == 1 and type(out[0]) is Free and out[0].reason is reason
         assert p.ended_reason(lid) is reason and p.info(lid) is None
         return p, lid, _t(7)
 
@@ -250,7 +275,7 @@ def test_heartbeat_in_every_state(state: str, dup: int) -> None:
     for i in range(dup):
         ack = _only_ack(p.receive(now, _hb((lid,), seq=7, at=123.5)))
         assert (ack.engine_id, ack.rank, ack.incarnation, ack.seq, ack.t_echo, ack.t_recv) == (
-            "prefill-0", 0, INC, 7, 123.5, now
+            "prefill-0", 0, INC, 7, PeerTime(123.5), PeerTime(now)  # the pinner's clock, as the peer sees it
         )
         assert _ack_fields(ack, lid) == HB_EXPECT[state], i
     after = p.info(lid)
@@ -352,13 +377,14 @@ def test_timeout_in_every_state_frees_once(state: str) -> None:
 @pytest.mark.parametrize("msg_type", [HeartbeatAck, AccessDoneAck, HandshakeReply])
 def test_messages_for_the_other_side_are_rejected(msg_type: type) -> None:
     p, lid, now = _active()
-    msg = {
+    messages: dict[type, Message] = {
         HeartbeatAck: HeartbeatAck(ACC, 0, INC, 0, SES, 1, PeerTime(0), PeerTime(0), 0),
         AccessDoneAck: AccessDoneAck(ACC, 0, INC, 0, SES, lid, 1, AccessOutcome.OK),
         HandshakeReply: HandshakeReply(
             ACC, 0, 1, INC, PROTOCOL_VERSION, 0, 1024, 0, SES, 1, PeerTime(0), PeerTime(0), PeerTime(0)
         ),
-    }[msg_type]
+    }
+    msg = messages[msg_type]
     out = p.receive(now, msg)
     assert len(out) == 1 and isinstance(out[0], Rejected) and msg_type.__name__ in out[0].reason
     assert p.counters.rejected == 1 and p.info(lid) is not None
@@ -508,7 +534,7 @@ def test_layout_rejection_is_checked_before_the_incarnation() -> None:
 
 #: Who else might speak for a lease bound to (ACC, rank 0, SES): another engine, and the same
 #: engine and rank in another session (a restarted accessor process).
-STRANGERS = {
+STRANGERS: dict[str, Speaker] = {
     "other-engine": {"engine": OTHER},
     "other-engine-same-session": {"engine": OTHER, "session": SES},
     "other-session": {"session": SES + 1},
@@ -532,7 +558,7 @@ def _bound(binder: str) -> tuple[Pinner, int]:
     return p, lid
 
 
-def _stranger_layout(binder: str) -> dict[str, int]:
+def _stranger_layout(binder: str) -> Layout:
     return {"ranks": 2} if binder != "heartbeat" else {}
 
 
@@ -544,14 +570,14 @@ def test_a_bound_lease_is_not_renewed_for_a_stranger(binder: str, stranger: str)
     before = p.info(lid)
     kw = STRANGERS[stranger]
     rejected = p.counters.rejected
-    out = p.receive(_t(1), _hb((lid, other), seq=9, **kw, **_stranger_layout(binder)))  # type: ignore[arg-type]
+    out = p.receive(_t(1), _hb((lid, other), seq=9, **kw, **_stranger_layout(binder)))
     assert len(out) == 2 and isinstance(out[0], Rejected) and "another accessor" in out[0].reason
     ack = _only_ack(out[1:], engine=kw.get("engine", ACC), session=kw.get("session", SES))
     assert ack.renewed == 1 and ack.unknown == (lid,)  # the foreign id is listed; the free one renewed
     assert (ack.expired, ack.released, ack.completed) == ((), (), ())
     assert p.info(lid) == before and p.counters.rejected == rejected + 1
     # The owner still renews it, and the stranger now owns `other`.
-    out = p.receive(_t(3), _hb((lid, other), seq=10, **_stranger_layout(binder)))  # type: ignore[arg-type]
+    out = p.receive(_t(3), _hb((lid, other), seq=10, **_stranger_layout(binder)))
     assert len(out) == 2 and isinstance(out[0], Rejected) and "1 lease(s)" in out[0].reason
     ack = _only_ack(out[1:])
     assert ack.renewed == 1 and ack.unknown == (other,)
@@ -573,11 +599,11 @@ def test_a_bound_lease_refuses_a_strangers_access_done(binder: str, stranger: st
     kw = STRANGERS[stranger]
     engine = kw.get("engine", ACC)
     for rank in _stranger_ranks(stranger):
-        out = p.receive(_t(1), _done(lid, rank=rank, ranks=2, attempt=5, **kw))  # type: ignore[arg-type]
+        out = p.receive(_t(1), _done(lid, rank=rank, ranks=2, attempt=5, **kw))
         assert len(out) == 2 and isinstance(out[0], Rejected) and "another accessor" in out[0].reason
         verdict = _done_ack(lid, AccessOutcome.STALE, rank=rank, session=kw.get("session", SES), attempt=5)
         assert out[1] == Send(engine, rank, verdict)
-        assert p.receive(_t(1), _done(lid, rank=rank, ranks=2, confirm=False, **kw)) == (  # type: ignore[arg-type]
+        assert p.receive(_t(1), _done(lid, rank=rank, ranks=2, confirm=False, **kw)) == (
             Rejected(engine, out[0].reason),
         )
     info = p.info(lid)
@@ -591,7 +617,7 @@ def test_a_bound_lease_refuses_a_strangers_release(binder: str, stranger: str) -
     p, lid = _bound(binder)
     kw = STRANGERS[stranger]
     for rank in _stranger_ranks(stranger):
-        out = p.receive(_t(1), _rel((lid,), rank=rank, ranks=2, **kw))  # type: ignore[arg-type]
+        out = p.receive(_t(1), _rel((lid,), rank=rank, ranks=2, **kw))
         assert len(out) == 1 and isinstance(out[0], Rejected) and "another accessor" in out[0].reason
     info = p.info(lid)
     assert info is not None and info.state is LeaseState.ACTIVE
@@ -748,7 +774,7 @@ def test_lease_ids_only_increase() -> None:
         with pytest.raises(LocalProtocolError, match="only increase"):
             p.grant(_t(0), "x", lease_id=stale)
     with pytest.raises(LocalProtocolError, match="lease_id"):
-        p.grant(_t(0), "x", lease_id=True)  # type: ignore[arg-type]
+        p.grant(_t(0), "x", lease_id=True)  # a bool is an int to mypy, never a lease id
     assert p.grant(_t(0), "e").lease_id == 102  # refused grants consumed nothing
     assert p.live_count == 7
 
@@ -884,10 +910,10 @@ def test_time_running_backwards_is_misuse() -> None:
         ({"lease_id": 1}, "only increase"),
     ],
 )
-def test_grant_misuse(kwargs: dict[str, object], what: str) -> None:
+def test_grant_misuse(kwargs: GrantOptions, what: str) -> None:
     p, _, now = _active()
     with pytest.raises(LocalProtocolError, match=what):
-        p.grant(now, "other", **kwargs)  # type: ignore[arg-type]
+        p.grant(now, "other", **kwargs)
 
 
 def test_grant_with_explicit_id_and_fixed_ticket() -> None:
@@ -907,7 +933,7 @@ def test_grant_with_explicit_id_and_fixed_ticket() -> None:
     [(("", 1), {}), (("e", -1), {}), (("e", 1 << 64), {}), (("e", 1), {"rank": 2, "ranks": 2}),
      (("e", 1), {"ranks": 0}), (("e", 1), {"ranks": (1 << 16) + 1})],
 )
-def test_constructor_misuse(args: tuple[str, int], kwargs: dict[str, int]) -> None:
+def test_constructor_misuse(args: tuple[str, int], kwargs: Layout) -> None:
     with pytest.raises(LocalProtocolError):
         Pinner(CFG, *args, **kwargs)
 
