@@ -1,0 +1,255 @@
+"""One SGLang 0.5.23 disaggregation rank (prefill or decode) on CPU buffers, driven line by line.
+
+Run with ``.venv-sglang/bin/python tests/_sglang_proc.py prefill|decode BOOTSTRAP_PORT``. It loads
+plugins the way SGLang's scheduler does (``load_plugins()``, filtered by ``SGLANG_PLUGINS``), then
+builds SGLang's own bootstrap server (prefill), KV manager, senders and receivers through the
+module-level ``get_kv_class`` copies in ``prefill.py`` / ``decode.py`` — the ones SGLang's prefill
+and decode queues call — over CPU tensors registered with NIXL as DRAM. Commands arrive as JSON
+lines on stdin; each answer is one JSON line on stdout prefixed ``@@ `` (SGLang logs go to stderr).
+
+Nothing here stands in for SGLang or kvlease: the only fault injected is a straggler (a delay
+before a NIXL WRITE is posted, ``slow_post``), by wrapping the NIXL agent's ``transfer`` call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+ROLE, PORT = sys.argv[1], int(sys.argv[2])
+NUM_PAGES, PAGE_BYTES, LAYERS = 32, 256, 2
+AUX_SLOTS, AUX_BYTES = 8, 64
+
+
+def fill_source(kv: list[Any], aux: Any) -> None:
+    for layer, t in enumerate(kv):
+        for page in range(NUM_PAGES):
+            t[page].fill_((page * 7 + layer * 3 + 11) % 251)
+    for slot in range(AUX_SLOTS):
+        aux[slot].fill_(200 + slot)
+
+
+def main() -> None:
+    import numpy as np
+    import torch
+    from sglang.srt.disaggregation import decode as sg_decode
+    from sglang.srt.disaggregation import prefill as sg_prefill
+    from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    t_start = time.time()
+    load_plugins()
+    sa = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        host="127.0.0.1",
+        disaggregation_mode=ROLE,
+        disaggregation_transfer_backend="nixl",
+        disaggregation_bootstrap_port=PORT,
+    )
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    get_parallel().override_permanently(pp_group=None)  # no torch.distributed groups: PP 1
+
+    kv = [torch.zeros((NUM_PAGES, PAGE_BYTES), dtype=torch.uint8) for _ in range(LAYERS)]
+    aux = torch.zeros((AUX_SLOTS, AUX_BYTES), dtype=torch.uint8)
+    if ROLE == "prefill":
+        fill_source(kv, aux)
+    else:
+        for t in kv:
+            t.fill_(1)
+    a = KVArgs()
+    a.engine_rank, a.pp_rank, a.system_dp_rank, a.rust_http_port = 0, 0, 0, None
+    a.kv_cache_dtype_str, a.kv_layout = "uint8", None
+    a.prefill_start_layer, a.prefill_end_layer = 0, LAYERS
+    a.kv_data_ptrs = [t.data_ptr() for t in kv]
+    a.kv_data_lens = [t.numel() for t in kv]
+    a.kv_item_lens = [PAGE_BYTES] * LAYERS
+    a.kv_data_mem_kinds = ["DRAM"] * LAYERS  # CPU: SGLang's default (VRAM) is refused by UCX
+    a.num_draft_entries, a.kv_layer_ids = 0, list(range(LAYERS))
+    a.kv_head_num = a.total_kv_head_num = 1
+    a.page_size = 1
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.data_ptr()], [aux.numel()], [AUX_BYTES]
+    a.ib_device, a.gpu_id = None, 0
+    a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
+    a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [], [], []
+    a.is_hybrid_mla_backend, a.state_conv_shard_groups, a.swa_kv_cache_layout = False, [], None
+    a.mla_compression_ratios, a.kv_buf_groups, a.hidden_kv_layers, a.draft_kv_layers = None, 1, LAYERS, 0
+
+    nixl = TransferBackend.NIXL
+    mod = sg_prefill if ROLE == "prefill" else sg_decode
+    classes = {
+        "prefill_manager": sg_prefill.get_kv_class(nixl, KVClassType.MANAGER).__name__,
+        "prefill_sender": sg_prefill.get_kv_class(nixl, KVClassType.SENDER).__name__,
+        "decode_manager": sg_decode.get_kv_class(nixl, KVClassType.MANAGER).__name__,
+        "decode_receiver": sg_decode.get_kv_class(nixl, KVClassType.RECEIVER).__name__,
+    }
+    server = None
+    if ROLE == "prefill":
+        server = mod.get_kv_class(nixl, KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=PORT)
+        mgr = mod.get_kv_class(nixl, KVClassType.MANAGER)(a, DisaggregationMode.PREFILL, sa, False)
+    else:
+        mgr = mod.get_kv_class(nixl, KVClassType.MANAGER)(a, DisaggregationMode.DECODE, sa, False)
+    rt = getattr(mgr, "kvlease", None)
+    senders: dict[int, Any] = {}
+    receivers: dict[int, Any] = {}
+    posts: list[float] = []
+    state: dict[str, Any] = {"slow": 0.0}
+    real_transfer = mgr.agent.transfer
+
+    def transfer(handle: Any, *args: Any, **kwargs: Any) -> Any:
+        if state["slow"]:
+            time.sleep(state["slow"])  # a straggler: the WRITE is posted late
+        posts.append(time.time())
+        return real_transfer(handle, *args, **kwargs)
+
+    mgr.agent.transfer = transfer
+    answer({"ok": True, "classes": classes, "manager": type(mgr).__name__, "engine_id": rt.engine_id if rt else None,
+            "rank_port": mgr.rank_port, "pid": os.getpid(), "startup_s": time.time() - t_start})
+
+    def status_name(s: int) -> str:
+        return {v: k for k, v in vars(KVPoll).items() if isinstance(v, int)}[s]
+
+    def failure(room: int) -> str | None:
+        with mgr.failure_lock:
+            return mgr.failure_records.get(room)
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "sender":
+                room = cmd["room"]
+                cls = sg_prefill.get_kv_class(nixl, KVClassType.SENDER)
+                s = senders[room] = cls(mgr, f"127.0.0.1:{PORT}", room)
+                s.init(cmd["pages"], aux_index=cmd["aux"])
+                answer({"ok": True, "status": status_name(s.poll())})
+            elif op == "receiver":
+                room = cmd["room"]
+                addr = f"127.0.0.1:{cmd['prefill_port']}"
+                deadline = time.time() + 30
+                while not mgr.try_ensure_parallel_info(addr):
+                    if time.time() > deadline:
+                        raise RuntimeError("no parallel info from the prefill bootstrap server")
+                    time.sleep(0.05)
+                r = receivers[room] = sg_decode.get_kv_class(nixl, KVClassType.RECEIVER)(mgr, addr, room)
+                r.init(0)
+                answer({"ok": True, "status": status_name(r.poll())})
+            elif op == "metadata":
+                r = receivers[cmd["room"]]
+                r.send_metadata(np.array(cmd["pages"], dtype=np.int32), aux_index=cmd["aux"])
+                answer({"ok": True, "t": time.time()})
+            elif op == "wait":  # poll the sender/receiver until one of the statuses, or timeout
+                room = cmd["room"]
+                obj = senders.get(room) if ROLE == "prefill" else receivers.get(room)
+                want = set(cmd["statuses"])
+                deadline = time.time() + cmd["within"]
+                st = status_name(obj.poll())
+                while st not in want and time.time() < deadline:
+                    time.sleep(0.005)
+                    st = status_name(obj.poll())
+                answer({"ok": True, "status": st, "t": time.time(), "failure": failure(room)})
+            elif op == "send":
+                senders[cmd["room"]].send(np.array(cmd["pages"], dtype=np.int32))
+                answer({"ok": True, "t": time.time()})
+            elif op == "abort":
+                obj = senders.get(cmd["room"]) if ROLE == "prefill" else receivers.get(cmd["room"])
+                obj.abort()
+                answer({"ok": True, "t": time.time()})
+            elif op == "clear":
+                obj = senders.pop(cmd["room"]) if ROLE == "prefill" else receivers.pop(cmd["room"])
+                obj.clear()
+                answer({"ok": True})
+            elif op == "release_safe":
+                answer({"ok": True, "safe": bool(mgr.is_abort_release_safe(cmd["room"], 1))})
+            elif op == "wait_release_safe":  # what SGLang's deferred release polls
+                deadline = time.time() + cmd["within"]
+                safe = bool(mgr.is_abort_release_safe(cmd["room"], 1))
+                while not safe and time.time() < deadline:
+                    time.sleep(0.002)
+                    safe = bool(mgr.is_abort_release_safe(cmd["room"], 1))
+                answer({"ok": True, "safe": safe, "t": time.time()})
+            elif op == "pages":  # bytes of the given pages, every layer, as lists of distinct values
+                out = {}
+                for p in cmd["pages"]:
+                    out[str(p)] = [sorted({int(x) for x in kv[layer][p].tolist()}) for layer in range(LAYERS)]
+                answer({"ok": True, "pages": out, "aux": sorted({int(x) for x in aux[cmd.get("aux", 0)].tolist()})})
+            elif op == "expected":  # what the source pages hold (prefill's fill pattern)
+                answer({"ok": True, "pages": {str(p): [[(p * 7 + layer * 3 + 11) % 251] for layer in range(LAYERS)]
+                                              for p in cmd["pages"]}})
+            elif op == "canary":
+                for p in cmd["pages"]:
+                    for t in kv:
+                        t[p].fill_(cmd["value"])
+                answer({"ok": True, "t": time.time()})
+            elif op == "slow_post":
+                state["slow"] = cmd["seconds"]
+                answer({"ok": True})
+            elif op == "posts":
+                answer({"ok": True, "posts": posts})
+            elif op == "source_live":
+                answer({"ok": True, "live": bool(rt.source_live(cmd["room"]))})
+            elif op == "valid_until":
+                key = cmd["key"]
+                with rt._lock:
+                    vu = rt.accessor.valid_until(key)
+                    now = rt.driver.now()
+                answer({"ok": True, "left": None if vu is None else vu - now, "keys": rt.dest_keys(cmd["room"])})
+            elif op == "stats":
+                answer({"ok": True, "stats": {k: v for k, v in rt.stats.snapshot().items()},
+                        "writes_refused": rt.writes_refused, "rooms_failed": rt.rooms_failed,
+                        "dropped": rt.transport.dropped + getattr(mgr, "kvlease_dropped", 0)})
+            elif op == "metrics":
+                from prometheus_client import REGISTRY, generate_latest
+
+                answer({"ok": True, "text": generate_latest(REGISTRY).decode()})
+            elif op == "inject":  # raw multipart onto a manager socket (hostile traffic)
+                import zmq
+
+                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(f"tcp://127.0.0.1:{cmd['port']}")
+                for frames in cmd["messages"]:
+                    sock.send_multipart([bytes.fromhex(f) for f in frames])
+                sock.close()
+                answer({"ok": True})
+            elif op == "alive":  # SGLang's socket threads still serve
+                import threading
+
+                answer({"ok": True, "threads": sorted(t.name for t in threading.enumerate())})
+            elif op == "exit":
+                answer({"ok": True})
+                break
+            else:
+                answer({"ok": False, "error": f"unknown op {op!r}"})
+        except Exception as exc:
+            answer({"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
+    if server is not None:
+        try:
+            server.close()
+        except Exception:
+            pass
+    os._exit(0)
+
+
+def answer(obj: dict[str, Any]) -> None:
+    sys.stdout.write("@@ " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as exc:
+        answer({"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
+        sys.stdout.flush()
+        os._exit(1)
