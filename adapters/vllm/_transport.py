@@ -1,0 +1,315 @@
+"""A kvlease `Transport` over the NIXL agent vLLM's NIXL connector already owns.
+
+No second NIXL agent and no new port: lease messages travel as NIXL notifications of the
+connector's own agent (``send_notif``), and what arrives is handed over by the connector, which
+drains ``get_new_notifs`` once per step and feeds each notification here (`feed`).
+
+- **Accessor side (decode).** vLLM's handshake (its ZMQ side channel) gives this worker the
+  producer's agents (``_remote_agents``); the kvlease `Handshake` then goes as a notification
+  to those agents, framed with this worker's own agent metadata (``HELLO_MAGIC``), because in
+  pull mode the producer never loads the decoder's agent otherwise and could not answer. Before
+  vLLM's handshake is done, `request_handshake` asks the connector to start it (the same
+  proactive handshake vLLM's own heartbeats do) and sends the hello once it completes.
+- **Pinner side (prefill).** A hello surfaces as a `HandshakeRequest`; only when the driver
+  accepted it (`answer_handshake`) is the decoder's agent loaded and the reply sent to it.
+- **Data plane.** vLLM posts the READ itself (its descriptors, TP mapping and prepped handles).
+  `start_read` records an *external* access for the request the connector names with `expect`,
+  and hands the driver's access-done notification to the connector, which attaches it to vLLM's
+  READ in place of vLLM's ``"id:count"`` (NIXL delivers it only after the data landed). The
+  connector reports the READ's outcome with `complete`; `poll_transfers` returns it to the
+  driver. Memory registration is vLLM's: `register` is refused.
+
+Never decides anything about a lease, never blocks, never raises into the step for bad bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any, Final
+
+import msgpack
+from kvlease.transports import (
+    HandshakeEvent,
+    HandshakeFailed,
+    HandshakeRequest,
+    Inbound,
+    PeerUnreachable,
+    TransferResult,
+)
+
+__all__ = ["HELLO_MAGIC", "ConnectorTransport"]
+
+log = logging.getLogger("kvlease.adapters.vllm")
+
+#: A kvlease handshake carried with the sender's agent metadata. 0xC1 never starts msgpack, UTF-8
+#: or a kvlease frame, so it is never mistaken for a vLLM notification or a native message.
+HELLO_MAGIC: Final = b"\xc1\x4bH"
+_MAX_HELLO: Final = 1 << 20
+
+
+class ConnectorTransport:
+    """`Transport` for one worker of a vLLM NIXL connector (see the module docstring)."""
+
+    def __init__(
+        self,
+        agent: Any,
+        engine_id: str,
+        rank: int,
+        remote_agents: dict[str, dict[tuple[int, int], str]],
+        ensure_handshake: Callable[[str], Any],
+    ) -> None:
+        self._agent = agent
+        self._engine_id = engine_id
+        self._rank = rank
+        #: vLLM's map engine -> {(pp rank, tp rank): agent name} of producers it READs from.
+        self._remote_agents = remote_agents
+        #: Starts vLLM's handshake with an engine: returns None when done, a Future while pending,
+        #: or raises KeyError when the engine's side channel is not known.
+        self._ensure_handshake = ensure_handshake
+        self._inbound: list[Inbound] = []
+        self._handshakes: list[HandshakeEvent] = []
+        self._tokens = itertools.count(1)
+        self._requests: dict[int, tuple[str, int, bytes]] = {}  # token -> (engine, rank, agent metadata)
+        self._peers: dict[tuple[str, int], str] = {}  # accessor (engine, rank) -> loaded agent name
+        self._peer_of: dict[str, tuple[str, int]] = {}  # agent name -> (engine, rank)
+        self._hellos: dict[str, bytes] = {}  # producer engine -> encoded Handshake waiting for vLLM's handshake
+        self._waiting: dict[str, Any] = {}  # producer engine -> vLLM handshake future
+        self._handles = itertools.count(1)
+        self._expect: str | None = None
+        self._external: dict[str, list[int]] = {}  # request key -> handles of its access
+        self._notif: dict[str, bytes] = {}  # request key -> the access-done to attach to vLLM's READ
+        self._done: list[TransferResult] = []
+        self.dropped_hellos = 0
+
+    # -- identity ----------------------------------------------------------------------------
+
+    @property
+    def engine_id(self) -> str:
+        return self._engine_id
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def address(self) -> str:
+        return self._engine_id
+
+    # -- fed by the connector ------------------------------------------------------------------
+
+    def feed(self, agent_name: str, data: bytes) -> None:
+        """One notification the connector drained from its agent that is not vLLM's own."""
+        if data.startswith(HELLO_MAGIC):
+            self._on_hello(agent_name, data)
+            return
+        engine, rank = self._sender(agent_name)
+        self._inbound.append(Inbound(engine, rank, bytes(data)))
+
+    def _sender(self, agent_name: str) -> tuple[str, int]:
+        known = self._peer_of.get(agent_name)
+        if known is not None:
+            return known
+        for engine, agents in self._remote_agents.items():
+            for (_pp, tp), name in agents.items():
+                if name == agent_name:
+                    return engine, tp
+        return agent_name, 0  # a peer we hold no agent of (a stock vLLM decoder)
+
+    def _on_hello(self, agent_name: str, data: bytes) -> None:
+        try:
+            if len(data) > _MAX_HELLO:
+                raise ValueError("oversized")
+            body = msgpack.unpackb(data[len(HELLO_MAGIC) :], raw=False)
+            engine, rank, md, hs = body["e"], body["r"], body["md"], body["hs"]
+            if not (isinstance(engine, str) and engine and type(rank) is int and 0 <= rank < 1 << 16):
+                raise ValueError("bad identity")
+            if not (isinstance(md, bytes) and isinstance(hs, bytes)):
+                raise ValueError("bad payload")
+        except Exception as exc:  # a malformed hello is dropped, never raised into the step
+            self.dropped_hellos += 1
+            log.warning("kvlease: dropped a malformed handshake notification from %r: %s", agent_name, exc)
+            return
+        token = next(self._tokens)
+        self._requests[token] = (engine, rank, md)
+        self._handshakes.append(HandshakeRequest(token, hs))
+
+    # -- the Transport contract ----------------------------------------------------------------
+
+    def send(self, engine_id: str, rank: int | None, data: bytes) -> None:
+        agents = self._agents_of(engine_id, rank)
+        if not agents:
+            raise PeerUnreachable(engine_id, rank, "no NIXL agent loaded for it")
+        for name in agents:
+            try:
+                self._agent.send_notif(name, notif_msg=data)
+            except Exception as exc:
+                raise PeerUnreachable(engine_id, rank, f"send_notif: {exc}") from None
+
+    def _agents_of(self, engine_id: str, rank: int | None) -> list[str]:
+        if rank is not None:
+            name = self._peers.get((engine_id, rank))
+            if name is None:
+                name = self._remote_agents.get(engine_id, {}).get((0, rank))
+            return [] if name is None else [name]
+        found = [n for (e, _r), n in self._peers.items() if e == engine_id]
+        found += [n for (pp, _tp), n in self._remote_agents.get(engine_id, {}).items() if pp == 0]
+        return found
+
+    def receive(self) -> list[Inbound]:
+        out, self._inbound = self._inbound, []
+        return out
+
+    def progress(self) -> None:
+        for engine in list(self._hellos):
+            self._try_hello(engine)
+
+    def request_handshake(self, engine_id: str, address: str, data: bytes) -> None:
+        self._hellos[engine_id] = data
+        self._try_hello(engine_id)
+
+    def _try_hello(self, engine_id: str) -> None:
+        data = self._hellos[engine_id]
+        agents = self._remote_agents.get(engine_id) or {}
+        if not agents:
+            fut = self._waiting.get(engine_id)
+            if fut is None:
+                try:
+                    fut = self._ensure_handshake(engine_id)
+                except KeyError as exc:
+                    del self._hellos[engine_id]
+                    self._handshakes.append(HandshakeFailed(engine_id, f"no side channel known: {exc}"))
+                    return
+                if fut is None:
+                    agents = self._remote_agents.get(engine_id) or {}
+                else:
+                    self._waiting[engine_id] = fut
+            if not agents:
+                if fut is not None and fut.done():
+                    del self._waiting[engine_id]
+                    error = fut.exception()
+                    if error is not None:
+                        del self._hellos[engine_id]
+                        self._handshakes.append(HandshakeFailed(engine_id, f"vLLM handshake failed: {error}"))
+                return
+        del self._hellos[engine_id]
+        self._waiting.pop(engine_id, None)
+        hello = HELLO_MAGIC + msgpack.packb(
+            {"e": self._engine_id, "r": self._rank, "md": self._agent.get_agent_metadata(), "hs": data},
+            use_bin_type=True,
+        )
+        for (pp, _tp), name in agents.items():
+            if pp != 0:
+                continue
+            try:
+                self._agent.send_notif(name, notif_msg=hello)
+            except Exception as exc:
+                self._handshakes.append(HandshakeFailed(engine_id, f"send_notif: {exc}"))
+                return
+
+    def poll_handshakes(self) -> list[HandshakeEvent]:
+        out, self._handshakes = self._handshakes, []
+        return out
+
+    def answer_handshake(self, token: int, data: bytes) -> None:
+        req = self._requests.pop(token, None)
+        if req is None:
+            return
+        engine, rank, md = req
+        name = self._peers.get((engine, rank))
+        try:
+            new_name = self._agent.add_remote_agent(md)
+            if isinstance(new_name, bytes):
+                new_name = new_name.decode()
+        except Exception as exc:
+            if name is None:
+                raise PeerUnreachable(engine, rank, f"cannot load its agent: {exc}") from None
+            new_name = name  # already loaded (the same agent said hello again)
+        if name is not None and name != new_name:
+            self._peer_of.pop(name, None)
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(name)
+        self._peers[(engine, rank)] = new_name
+        self._peer_of[new_name] = (engine, rank)
+        self.send(engine, rank, data)
+
+    def reject_handshake(self, token: int) -> None:
+        self._requests.pop(token, None)
+
+    def register(self, region: str, buffer: object) -> int:
+        raise NotImplementedError("vLLM registers its KV cache itself")
+
+    def unregister(self, region: str) -> None:
+        raise NotImplementedError("vLLM registers its KV cache itself")
+
+    # -- external accesses ---------------------------------------------------------------------
+
+    def expect(self, key: str | None) -> None:
+        """The next `start_read`/`start_write` calls belong to request `key` (None: none)."""
+        self._expect = key
+
+    def notification(self, key: str) -> bytes | None:
+        """The access-done the driver asked to attach to `key`'s transfer."""
+        return self._notif.get(key)
+
+    def _start(self, engine_id: str, rank: int, notif: bytes | None) -> int:
+        key = self._expect
+        if key is None:
+            raise RuntimeError("the vLLM adapter performs transfers itself; call expect() first")
+        h = next(self._handles)
+        self._external.setdefault(key, []).append(h)
+        if notif is not None:
+            self._notif[key] = notif
+        return h
+
+    def start_read(self, engine_id: str, rank: int, region: str, into: object, notif: bytes | None) -> int:
+        return self._start(engine_id, rank, notif)
+
+    def start_write(self, engine_id: str, rank: int, region: str, src: object, notif: bytes | None) -> int:
+        return self._start(engine_id, rank, notif)
+
+    def complete(self, key: str, ok: bool, error: str = "") -> bool:
+        """vLLM's transfer for `key` finished (`ok`) or failed; False if none was expected."""
+        handles = self._external.pop(key, None)
+        self._notif.pop(key, None)
+        if handles is None:
+            return False
+        for h in handles:
+            self._done.append(TransferResult(h, ok, "" if ok else (error or "vLLM reported the READ failed")))
+        return True
+
+    def outstanding(self, key: str) -> bool:
+        return key in self._external
+
+    def poll_transfers(self) -> list[TransferResult]:
+        out, self._done = self._done, []
+        return out
+
+    def cancel_transfer(self, handle: int) -> None:
+        for key, handles in list(self._external.items()):
+            if handle in handles:
+                handles.remove(handle)
+                if not handles:
+                    # The driver gave up on it; vLLM's READ may still land: its completion is
+                    # then reported for nothing here (the connector treats it as failed).
+                    del self._external[key]
+                    self._notif.pop(key, None)
+
+    def forget_peer(self, engine_id: str) -> None:
+        for (engine, rank), name in list(self._peers.items()):
+            if engine == engine_id:
+                del self._peers[(engine, rank)]
+                self._peer_of.pop(name, None)
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+        self._hellos.pop(engine_id, None)
+        self._waiting.pop(engine_id, None)
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+    def close(self) -> None:
+        self._inbound.clear()
+        self._handshakes.clear()

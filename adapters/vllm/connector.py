@@ -1,0 +1,436 @@
+"""vLLM 0.33.0's NIXL pull connector with kvlease as its lease.
+
+Enabled with ``--kv-transfer-config '{"kv_connector": "KvleaseNixlConnector",
+"kv_connector_module_path": "kvlease.adapters.vllm", "kv_role": ..., "kv_connector_extra_config":
+{"kv_lease_duration": 30}}'``. Everything that moves KV stays vLLM's (agents, its handshake, the
+descriptors, TP mapping, the READ); only the lease bookkeeping is replaced:
+
+- **Producer scheduler** (`KvleasePullScheduler.request_finished`) picks the lease id (one per
+  request, increasing, for this scheduler's random incarnation) and puts the ticket in
+  ``kv_transfer_params["kvlease"]``; the id and incarnation go to every worker in the connector
+  metadata, so all ranks grant the same id.
+- **Producer worker** grants it in its `Pinner` (instead of vLLM's ``_reqs_to_send`` deadline),
+  feeds every notification its agent receives to the driver (kvlease frames, and stock vLLM
+  ``HB:`` / ``id:count`` through the compat codec), and reports the driver's `Free`s as
+  ``finished_sending``. vLLM's full-scan reaper and ``_handle_heartbeat`` see nothing.
+- **Decoder scheduler** tracks a request from queue entry (``on_new_request``) when its params
+  carry a ticket; the worker's `Accessor` heartbeats from then on. Without a ticket (a stock
+  producer) vLLM's own heartbeats are kept and the log says once that there is no validity
+  guarantee for that peer.
+- **Decoder worker** asks the accessor before vLLM posts the READ and attaches kvlease's
+  access-done to it in place of ``"id:count"``; the READ's outcome is held back from the
+  scheduler until the accessor's verdict. A lease reported lost, an access reported stale, or a
+  READ refused reaches vLLM's scheduler as a failed load (``failed_recving``), which with
+  ``kv_load_failure_policy="recompute"`` recomputes the prompt and otherwise fails the request:
+  never decoded from blocks that may have been reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import TYPE_CHECKING, Any
+
+from kvlease.transports import Driver, TransferFailed, new_session
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+
+from kvlease import (
+    AccessCompleted,
+    Accessor,
+    AccessStale,
+    EndReason,
+    Free,
+    LeaseLost,
+    LeaseTicket,
+    Pinner,
+    ProtocolError,
+    is_native_frame,
+    is_sealed_frame,
+    tp_layout,
+)
+
+from ._settings import AdapterSettings, read_settings
+from ._transport import HELLO_MAGIC, ConnectorTransport
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvleaseNixlConnector", "KvleasePullScheduler", "KvleasePullWorker"]
+
+log = logging.getLogger("kvlease.adapters.vllm")
+
+#: Key of the ticket in ``kv_transfer_params`` and of the adapter's part of the metadata.
+TICKET_KEY = "kvlease"
+
+
+def _settings_of(vllm_config: VllmConfig) -> AdapterSettings:
+    ktc = vllm_config.kv_transfer_config
+    return read_settings(ktc.kv_connector_extra_config if ktc is not None else None)
+
+
+# -- scheduler side ------------------------------------------------------------------------------
+
+
+class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.kvlease_settings = _settings_of(vllm_config)
+        #: This producer's pinner incarnation: every worker's `Pinner` takes it from the metadata.
+        self.kvlease_incarnation = secrets.randbits(64)
+        self._kv_next_id = 1
+        self._kv_grants: dict[str, int] = {}
+        self._kv_track: dict[str, dict[str, Any]] = {}
+        self._kv_tracked: set[str] = set()
+        self._kv_untrack: list[str] = []
+        self._kv_warned: set[str] = set()
+
+    # producer: one lease id per request, shipped to every worker and to the decoder
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        if req_id in self._kv_tracked:
+            self._kv_tracked.discard(req_id)
+            if self._kv_track.pop(req_id, None) is None:
+                self._kv_untrack.append(req_id)
+        delay, params = super().request_finished(request, block_ids)
+        if delay and params is not None and params.get("do_remote_prefill"):
+            lease_id = self._kv_next_id
+            self._kv_next_id += 1
+            self._kv_grants[req_id] = lease_id
+            params[TICKET_KEY] = LeaseTicket(
+                engine_id=self.engine_id,
+                incarnation=self.kvlease_incarnation,
+                lease_id=lease_id,
+                ranks=self.transfer_tp_size,
+            ).to_dict()
+        return delay, params
+
+    # decoder: track from queue entry
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        ticket = None if params is None else params.get(TICKET_KEY)
+        if params is None or not params.get("do_remote_prefill") or ticket is None:
+            if params is not None and params.get("do_remote_prefill"):
+                engine = str(params.get("remote_engine_id"))
+                if engine not in self._kv_warned and len(self._kv_warned) < 1024:
+                    self._kv_warned.add(engine)
+                    log.warning(
+                        "kvlease: producer %r sent no lease ticket (a stock vLLM producer): falling back to "
+                        "vLLM's own heartbeats, with no validity guarantee for KV read from that peer",
+                        engine,
+                    )
+            super().on_new_request(request)
+            return
+        self._kv_track[request.request_id] = {
+            "ticket": ticket,
+            "host": params.get("remote_host"),
+            "port": params.get("remote_port"),
+            "tp_size": params.get("tp_size", 1),
+            "dcp_size": params.get("dcp_size", 1),
+            "pp_size": params.get("pp_size", 1),
+        }
+        self._kv_tracked.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        meta.kvlease = {
+            "incarnation": self.kvlease_incarnation,
+            "grants": self._kv_grants,
+            "track": self._kv_track,
+            "untrack": self._kv_untrack,
+        }
+        self._kv_grants, self._kv_track, self._kv_untrack = {}, {}, []
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        for req_id in connector_output.finished_recving or ():
+            self._kv_tracked.discard(req_id)
+
+
+# -- worker side ---------------------------------------------------------------------------------
+
+
+class _NotifSwap:
+    """vLLM's NIXL agent, except that the notification vLLM attaches to a READ (``"id:count"``)
+    is replaced by kvlease's access-done for requests under a kvlease lease."""
+
+    def __init__(self, agent: Any, table: dict[str, bytes]) -> None:
+        self._kvlease_agent = agent
+        self._kvlease_table = table
+
+    def _swap(self, notif: Any) -> Any:
+        if self._kvlease_table and isinstance(notif, bytes | str):
+            raw = notif.encode() if isinstance(notif, str) else notif
+            rid, sep, _count = raw.rpartition(b":")
+            if sep:
+                repl = self._kvlease_table.get(rid.decode("utf-8", "replace"))
+                if repl is not None:
+                    return repl
+        return notif
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        if "notif_msg" in kwargs:
+            kwargs["notif_msg"] = self._swap(kwargs["notif_msg"])
+        elif len(args) >= 6:
+            args = (*args[:5], self._swap(args[5]), *args[6:])
+        return self._kvlease_agent.make_prepped_xfer(*args, **kwargs)
+
+    def send_notif(self, agent_name: Any, notif_msg: Any = b"", *args: Any, **kwargs: Any) -> Any:
+        return self._kvlease_agent.send_notif(agent_name, self._swap(notif_msg), *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kvlease_agent, name)
+
+
+class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
+    nixl_wrapper: Any
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.kvlease_settings = _settings_of(vllm_config)
+        role = vllm_config.kv_transfer_config.kv_role
+        self._kv_pinner_role = role in ("kv_producer", "kv_both")
+        self._kv_accessor_role = role in ("kv_consumer", "kv_both")
+        self._kv_swap: dict[str, bytes] = {}  # remote request id -> access-done to attach
+        agent: Any = self.nixl_wrapper
+        self.nixl_wrapper = _NotifSwap(agent, self._kv_swap)
+        self._kv_engines: dict[str, dict[str, Any]] = {}  # producer -> its side channel, as vLLM names it
+        self.kvlease_transport = ConnectorTransport(
+            self.nixl_wrapper, engine_id, self.transfer_tp_rank, self._remote_agents, self._kv_handshake
+        )
+        self.kvlease_driver: Driver | None = None
+        self._kv_incarnation: int | None = None
+        self._kv_granted: set[str] = set()
+        self._kv_tickets: dict[str, LeaseTicket] = {}  # tracked request -> ticket
+        self._kv_remote_id: dict[str, str] = {}  # tracked request -> producer's request id
+        self._kv_reading: set[str] = set()  # READ posted, vLLM has not reported it yet
+        self._kv_verdict: set[str] = set()  # READ reported by vLLM, waiting for the accessor
+        self._kv_failed: set[str] = set()  # the accessor gave the access up before vLLM reported it
+        self._kv_deferred: list[tuple[str, Any]] = []  # READs waiting for the kvlease handshake
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _kv_ensure_driver(self, incarnation: int | None) -> Driver:
+        if self.kvlease_driver is not None:
+            return self.kvlease_driver
+        cfg = self.kvlease_settings.lease
+        pinner = None
+        if self._kv_pinner_role:
+            if incarnation is None:
+                raise RuntimeError("the kvlease scheduler did not send its incarnation")
+            pinner = Pinner(cfg, self.engine_id, incarnation, rank=self.transfer_tp_rank, ranks=self.world_size)
+            self._kv_incarnation = incarnation
+        accessor = None
+        if self._kv_accessor_role:
+            accessor = Accessor(
+                cfg, self.engine_id, session=new_session(), rank=self.transfer_tp_rank, ranks=self.world_size
+            )
+        s = self.kvlease_settings
+        self.kvlease_driver = Driver(
+            self.kvlease_transport,
+            pinner=pinner,
+            accessor=accessor,
+            engine_ttl=s.engine_ttl,
+            transfer_timeout=s.transfer_timeout,
+            vllm_compat=s.vllm_compat,
+        )
+        return self.kvlease_driver
+
+    def _kv_handshake(self, engine_id: str) -> Any:
+        info = self._kv_engines[engine_id]  # KeyError: no side channel known
+        return self._ensure_handshake(
+            engine_id, info["host"], info["port"], info["tp_size"], info["dcp_size"], info["pp_size"]
+        )
+
+    # -- per step: metadata in ---------------------------------------------------------------
+
+    def start_load_kv(self, metadata: Any) -> None:
+        kv = getattr(metadata, "kvlease", None) or {}
+        driver = self._kv_ensure_driver(kv.get("incarnation"))
+        if driver.accessor is not None:
+            for req_id, info in kv.get("track", {}).items():
+                self._kv_track(driver, req_id, info)
+            for req_id in kv.get("untrack", ()):
+                self._kv_untrack(driver, req_id)
+            deferred, self._kv_deferred = self._kv_deferred, []
+            for req_id, meta in deferred:
+                self._read_blocks_for_req(req_id, meta)
+        super().start_load_kv(metadata)
+        grants = kv.get("grants", {})
+        if grants and driver.pinner is not None:
+            if kv.get("incarnation") != self._kv_incarnation:
+                raise RuntimeError("the kvlease scheduler's incarnation changed under a running worker")
+            for req_id, lease_id in grants.items():
+                # vLLM's worker took the request (it is still to be processed): grant instead of
+                # vLLM's deadline, which its reaper would otherwise scan every step.
+                if self._reqs_to_send.pop(req_id, None) is None:
+                    continue
+                driver.grant(req_id, lease_id=lease_id)
+                self._kv_granted.add(req_id)
+
+    def _kv_track(self, driver: Driver, req_id: str, info: dict[str, Any]) -> None:
+        try:
+            ticket = LeaseTicket.from_dict(info["ticket"])
+        except ProtocolError as exc:
+            log.warning("kvlease: request %s carries a malformed lease ticket (%s): vLLM's own lease only", req_id, exc)
+            return
+        self._kv_engines[ticket.engine_id] = info
+        self._kv_tickets[req_id] = ticket
+        host, port = info.get("host"), info.get("port")
+        driver.track(req_id, ticket, address=f"{host}:{port}")
+
+    def _kv_untrack(self, driver: Driver, req_id: str) -> None:
+        if req_id in self._kv_reading or req_id in self._kv_verdict:
+            return
+        self._kv_tickets.pop(req_id, None)
+        remote = self._kv_remote_id.pop(req_id, None)
+        if remote is not None:
+            self._kv_swap.pop(remote, None)
+        assert driver.accessor is not None
+        if driver.accessor.state_of(req_id) is not None:
+            driver.untrack(req_id)
+
+    # -- the READ ----------------------------------------------------------------------------
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        driver = self.kvlease_driver
+        ticket = self._kv_tickets.get(req_id)
+        if driver is None or ticket is None:
+            super()._read_blocks_for_req(req_id, meta)
+            return None
+        engine_id = meta.remote.engine_id
+        if engine_id not in self._remote_agents or engine_id in self._invalid_remote_engines:
+            # vLLM's handshake first (it queues the request again when done) or its failure path.
+            super()._read_blocks_for_req(req_id, meta)
+            return None
+        if not any(len(group) > 0 for group in meta.local_block_ids):
+            # Nothing to read (a full local prefix hit, or an aborted request): the lease ends.
+            self._kv_untrack(driver, req_id)
+            super()._read_blocks_for_req(req_id, meta)
+            return None
+        targets = tp_layout(ticket.ranks, self.world_size, self.transfer_tp_rank).targets
+        into: Any = None if len(targets) == 1 else dict.fromkeys(targets)
+        self.kvlease_transport.expect(req_id)
+        try:
+            decision = driver.read(req_id, "kv", into)
+        finally:
+            self.kvlease_transport.expect(None)
+        if not decision.allowed:
+            if "handshake pending" in decision.reason:
+                self._kv_deferred.append((req_id, meta))
+                return None
+            log.warning("kvlease: not reading %s (%s): reported as a failed load", req_id, decision.reason)
+            self._kv_forget(req_id)
+            self.xfer_stats.record_kv_expired_req()
+            self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
+            return None
+        notif = self.kvlease_transport.notification(req_id)
+        remote_id = meta.remote.request_id
+        if notif is not None:
+            self._kv_swap[remote_id] = notif
+            self._kv_remote_id[req_id] = remote_id
+        self._kv_reading.add(req_id)
+        super()._read_blocks_for_req(req_id, meta)
+        return None
+
+    def _kv_forget(self, req_id: str) -> None:
+        self._kv_tickets.pop(req_id, None)
+        self._kv_reading.discard(req_id)
+        self._kv_verdict.discard(req_id)
+        self._kv_failed.discard(req_id)
+        remote = self._kv_remote_id.pop(req_id, None)
+        if remote is not None:
+            self._kv_swap.pop(remote, None)
+
+    # -- per step: notifications in, results out ---------------------------------------------
+
+    def _get_new_notifs(self) -> set[str]:
+        # Every notification goes to the driver: kvlease frames, hellos, and stock vLLM `HB:` /
+        # `id:count` (the compat codec), so no request is ever freed by vLLM's own bookkeeping.
+        feed = self.kvlease_transport.feed
+        for agent_name, notifs in self.nixl_wrapper.get_new_notifs().items():
+            name = agent_name.decode() if isinstance(agent_name, bytes) else str(agent_name)
+            for notif in notifs:
+                data = bytes(notif)
+                if not self.kvlease_settings.vllm_compat and not (
+                    is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)
+                ):
+                    self.xfer_stats.record_notification_after_expiry()
+                    continue
+                feed(name, data)
+        return set()
+
+    def get_transfer_results(self) -> Any:
+        res = super().get_transfer_results()
+        driver = self.kvlease_driver
+        if driver is None:
+            return res
+        transport = self.kvlease_transport
+        for req_id in list(self._kv_reading):
+            if req_id not in res.finished_recving:
+                continue
+            self._kv_reading.discard(req_id)
+            ok = req_id not in res.failed_recving
+            res.finished_recving.discard(req_id)
+            res.failed_recving.discard(req_id)
+            if req_id in self._kv_failed or not transport.complete(req_id, ok):
+                # The accessor gave this access up already (timed out or peer dead).
+                self._kv_forget(req_id)
+                res.finished_recving.add(req_id)
+                res.failed_recving.add(req_id)
+                continue
+            self._kv_verdict.add(req_id)
+        for ev in driver.step():
+            if isinstance(ev, Free):
+                if ev.key in self._kv_granted:
+                    self._kv_granted.discard(ev.key)
+                    self._reqs_to_process.discard(ev.key)
+                    res.finished_sending.add(ev.key)
+                    if ev.reason is EndReason.EXPIRED:
+                        self.xfer_stats.record_kv_expired_req()
+                        log.warning("kvlease: lease of %s expired: its KV blocks are freed", ev.key)
+            elif isinstance(ev, AccessCompleted):
+                if ev.key in self._kv_verdict:
+                    self._kv_forget(ev.key)
+                    res.finished_recving.add(ev.key)
+            elif isinstance(ev, AccessStale | LeaseLost | TransferFailed):
+                key = ev.key
+                if key in self._kv_verdict:
+                    self._kv_forget(key)
+                    res.finished_recving.add(key)
+                    res.failed_recving.add(key)
+                    self.xfer_stats.record_kv_expired_req()
+                    log.warning("kvlease: KV read for %s is not valid (%s): reported as a failed load", key, ev)
+                elif key in self._kv_reading:
+                    self._kv_failed.add(key)
+                else:
+                    self._kv_tickets.pop(key, None)
+        return res
+
+
+# -- the connector -------------------------------------------------------------------------------
+
+
+class KvleaseNixlConnector(NixlPullConnector):  # type: ignore[misc]
+    """vLLM's pull-mode NIXL connector (``NixlConnector``) with kvlease leases."""
+
+    connector_scheduler: KvleasePullScheduler | None
+    connector_worker: KvleasePullWorker | None
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        # Settings first: a bad value fails here, naming the key, before anything starts.
+        _settings_of(vllm_config)
+        # NixlPullConnector.__init__ would build vLLM's own scheduler or worker (a worker owns a
+        # NIXL agent): skip to the base, which sets up what both modes share.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvleasePullScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvleasePullWorker(vllm_config, self.engine_id, kv_cache_config)

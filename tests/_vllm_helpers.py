@@ -1,0 +1,191 @@
+"""Process handling for the vLLM adapter tests: `Node` runs tests/_vllm_node.py under .venv-vllm."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
+MODEL = ROOT.parent / "shared" / "engines" / "vllm-tiny-llama"
+NODE = Path(__file__).resolve().parent / "_vllm_node.py"
+
+
+def require_vllm_env() -> None:
+    """Fail under CI when .venv-vllm is missing (the test command creates it); skip otherwise."""
+    problem = None
+    if not VENV_PY.exists():
+        problem = f"{VENV_PY} is missing: run `bash engines/vllm/setup.sh` (bash dev.sh test does)"
+    elif not (MODEL / "config.json").exists():
+        problem = f"the weightless tiny Llama is missing at {MODEL}"
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Node:
+    """One vLLM instance (scheduler + connector worker) in its own process."""
+
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        connector: str,
+        *,
+        extra: dict[str, Any] | None = None,
+        bad_config: dict[str, Any] | None = None,
+        max_num_seqs: int = 4,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.port = free_port()
+        env = dict(os.environ)
+        env.update(
+            VLLM_TARGET_DEVICE="cpu",
+            HF_HUB_OFFLINE="1",
+            UCX_NET_DEVICES="lo",
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port),
+            KVT_DIST_PORT=str(free_port()),
+            PYTHONUNBUFFERED="1",
+            VLLM_LOGGING_LEVEL="WARNING",
+        )
+        for k in ("COVERAGE_PROCESS_START", "PYTHONPATH"):
+            env.pop(k, None)
+        cmd = [
+            str(VENV_PY),
+            str(NODE),
+            "--role",
+            role,
+            "--connector",
+            connector,
+            "--engine-id",
+            name,
+            "--model",
+            str(MODEL),
+            "--extra",
+            json.dumps(extra or {}),
+            "--max-num-seqs",
+            str(max_num_seqs),
+        ]
+        if bad_config is not None:
+            cmd += ["--bad-config", json.dumps(bad_config)]
+        self.log_path = (log_dir or Path("/tmp")) / f"vllm-node-{name}-{os.getpid()}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.events: list[dict[str, Any]] = []
+        self._q: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("EV "):
+                ev = json.loads(line[3:])
+                self._q.put(ev)
+        self._q.put(None)
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def wait(self, ev: str, timeout: float = 60.0, **match: Any) -> dict[str, Any]:
+        """The first event `ev` (with the given fields) seen so far or arriving within `timeout`."""
+        for e in self.events:
+            if e["ev"] == ev and all(e.get(k) == v for k, v in match.items()):
+                return e
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"{self.name}: no {ev} {match} within {timeout} s; log {self.log_path}:\n" + self.tail()
+                )
+            try:
+                e = self._q.get(timeout=left)
+            except queue.Empty:
+                continue
+            if e is None:
+                raise AssertionError(f"{self.name} exited (rc={self.proc.poll()}) before {ev} {match}:\n" + self.tail())
+            self.events.append(e)
+            if e["ev"] == ev and all(e.get(k) == v for k, v in match.items()):
+                return e
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Every event that has arrived so far."""
+        while True:
+            try:
+                e = self._q.get_nowait()
+            except queue.Empty:
+                return self.events
+            if e is not None:
+                self.events.append(e)
+
+    def seen(self, ev: str, **match: Any) -> list[dict[str, Any]]:
+        self.drain()
+        return [e for e in self.events if e["ev"] == ev and all(e.get(k) == v for k, v in match.items())]
+
+    def stats(self) -> dict[str, Any]:
+        n = len(self.seen("stats"))
+        self.send(op="stats")
+        deadline = time.monotonic() + 30
+        while len(self.seen("stats")) <= n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: no stats")
+            time.sleep(0.01)
+        return self.seen("stats")[-1]
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="exit")
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def print_events(*nodes: Node) -> None:
+    for n in nodes:
+        for e in n.drain():
+            print(n.name, e, file=sys.stderr)

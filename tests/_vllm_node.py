@@ -1,0 +1,289 @@
+"""One vLLM 0.33.0 instance (prefill or decode) for the adapter tests, run with .venv-vllm's python.
+
+Real parts: vLLM's `Scheduler`, the KV connector built by vLLM's factory from a real
+`KVTransferConfig` (scheduler side and worker side, the latter registered as vLLM's global KV
+transfer group), vLLM's own KV-cache allocation on the CPU (`allocate_kv_cache`), every step
+going through vLLM's `KVConnectorModelRunnerMixin`, and NIXL/UCX between processes. Faked: the
+model forward only. The prefill "forward" writes a pattern into the KV blocks it computes
+(value = f(request, block position, layer)); the decode side checks that pattern in the blocks
+vLLM loaded for it, so a READ of freed-and-reused blocks shows.
+
+Protocol: one JSON command per stdin line; one ``EV {json}`` line per event on stdout. The node
+steps continuously (every ``--step-ms``), as vLLM's engine core does while it has requests, so
+heartbeats flow while commands are awaited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+BLOCK = 32
+
+
+def emit(ev: str, **kw: Any) -> None:
+    kw["ev"] = ev
+    kw.setdefault("t", time.monotonic())
+    sys.stdout.write("EV " + json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=["kv_producer", "kv_consumer"], required=True)
+    ap.add_argument("--connector", choices=["kvlease", "stock"], required=True)
+    ap.add_argument("--engine-id", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--extra", default="{}")
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--bad-config", default="", help="JSON extra config that must fail at build")
+    args = ap.parse_args()
+
+    import attrs
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized, get_kv_transfer_group
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.forward_context import set_forward_context
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.attention.backend import KVCacheLayout
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    extra = json.loads(args.extra)
+    if args.connector == "kvlease":
+        conn, module = "KvleaseNixlConnector", "kvlease.adapters.vllm"
+    else:
+        conn, module = "NixlConnector", None
+
+    def kv_config(extra_config: dict[str, Any]) -> KVTransferConfig:
+        return KVTransferConfig(
+            kv_connector=conn,
+            kv_connector_module_path=module,
+            kv_role=args.role,
+            engine_id=args.engine_id,
+            kv_connector_extra_config=extra_config,
+            kv_load_failure_policy="recompute",
+        )
+
+    t0 = time.monotonic()
+    model_config = ModelConfig(
+        model=args.model, tokenizer=args.model, skip_tokenizer_init=True, max_model_len=1024, dtype="float32", seed=0
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_model_len=1024,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=2048,
+            enable_chunked_prefill=False,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        kv_transfer_config=kv_config(extra),
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    vllm_config.cache_config.num_gpu_blocks = args.blocks
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    page = spec.page_size_bytes
+    nb = args.blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=nb,
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * nb * len(LAYERS), layers=list(LAYERS), layer_stride=page * nb, block_stride=page)
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+    )
+    emit("config", seconds=time.monotonic() - t0)
+
+    if args.bad_config:
+        # Built through vLLM's own factory, as the engine does; must fail naming the key.
+        import copy
+
+        bad = copy.copy(vllm_config)
+        bad.kv_transfer_config = kv_config(json.loads(args.bad_config))
+        try:
+            KVConnectorFactory.create_connector(bad, KVConnectorRole.SCHEDULER, kv_cache_config)
+        except Exception as exc:
+            emit("bad_config", error=f"{type(exc).__name__}: {exc}")
+        else:
+            emit("bad_config", error=None)
+
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{int(os.environ['KVT_DIST_PORT'])}",
+            local_rank=0,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
+        worker = get_kv_transfer_group()
+        kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        worker.register_kv_caches(kv_caches)
+        scheduler = Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=BLOCK,
+        )
+        scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
+    emit(
+        "ready",
+        seconds=time.monotonic() - t0,
+        scheduler_connector=type(scheduler.connector).__qualname__,
+        worker_connector=type(worker).__qualname__,
+        worker_impl=type(getattr(worker, "connector_worker", None)).__qualname__,
+        scheduler_impl=type(getattr(scheduler.connector, "connector_scheduler", None)).__qualname__,
+        kv_cache_shape=list(kv_caches[LAYERS[0]].shape),
+    )
+
+    def pattern(rid: str, pos: int, layer: int) -> float:
+        return float((sum(map(ord, rid)) * 131 + pos * 7 + layer * 1009) % 100003) + 0.5
+
+    def fill(rid: str, block_ids: list[int]) -> None:
+        for li, name in enumerate(LAYERS):
+            t = kv_caches[name]
+            for pos, b in enumerate(block_ids):
+                t[b].fill_(pattern(rid, pos, li))
+
+    def check(rid: str, block_ids: list[int]) -> bool:
+        for li, name in enumerate(LAYERS):
+            t = kv_caches[name]
+            for pos, b in enumerate(block_ids):
+                if not bool((t[b] == pattern(rid, pos, li)).all()):
+                    return False
+        return True
+
+    cmds: queue.Queue[dict[str, Any]] = queue.Queue()
+
+    def reader() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                cmds.put(json.loads(line))
+        cmds.put({"op": "exit"})
+
+    threading.Thread(target=reader, daemon=True).start()
+
+    waiting: dict[str, dict[str, Any]] = {}  # decode requests: what to check once loaded
+    first_sched: set[str] = set()
+    token = 5
+    running = True
+    while running:
+        while True:
+            try:
+                cmd = cmds.get_nowait()
+            except queue.Empty:
+                break
+            op = cmd["op"]
+            if op == "exit":
+                running = False
+                break
+            if op == "stats":
+                impl = getattr(worker, "connector_worker", None)
+                drv = getattr(impl, "kvlease_driver", None)
+                emit(
+                    "stats",
+                    driver=None
+                    if drv is None
+                    else {k: v for k, v in attrs.asdict(drv.stats).items() if isinstance(v, int | float)},
+                    counters=None if drv is None or drv.pinner is None else attrs.asdict(drv.pinner.counters),
+                    live=None if drv is None or drv.pinner is None else drv.pinner.live_count,
+                    tracked=None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
+                    reqs_to_send=len(getattr(impl, "_reqs_to_send", {})),
+                )
+                continue
+            rid = cmd["id"]
+            prompt = cmd.get("prompt") or [(i % 900) + 3 for i in range(cmd.get("tokens", 96))]
+            params: dict[str, Any] | None
+            if op == "prefill":
+                params = {"do_remote_decode": True}
+                max_tokens = 1
+            elif op == "decode":
+                params = dict(cmd["params"])
+                max_tokens = cmd.get("max_tokens", 2)
+                waiting[rid] = {"prefill_id": cmd.get("prefill_id", rid), "blocks": None}
+            else:  # "local": a plain request (occupies a sequence slot while it decodes)
+                params = None
+                max_tokens = cmd.get("max_tokens", 10)
+            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params})
+            req = Request(rid, prompt, sp, None, arrival_time=time.time())
+            scheduler.add_request(req)
+            emit("added", id=rid)
+
+        so = scheduler.schedule()
+        for nr in so.scheduled_new_reqs:
+            req = scheduler.requests[nr.req_id]
+            blocks = list(nr.block_ids[0])
+            if args.role == "kv_producer":
+                fill(nr.req_id, blocks)  # the fake prefill forward
+            elif nr.req_id in waiting:
+                waiting[nr.req_id]["blocks"] = blocks
+            emit("scheduled", id=nr.req_id, num_computed_tokens=nr.num_computed_tokens, blocks=blocks)
+        for rid in so.scheduled_cached_reqs.req_ids:
+            if rid not in first_sched and rid in waiting:
+                first_sched.add(rid)
+                req = scheduler.requests[rid]
+                emit("resumed", id=rid, num_computed_tokens=req.num_computed_tokens)
+        with (
+            set_current_vllm_config(vllm_config),
+            set_forward_context(None, vllm_config),
+            KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
+        ):
+            pass
+        req_ids = list(so.num_scheduled_tokens)
+        for rid in kvo.finished_recving or ():
+            info = waiting.get(rid)
+            failed = rid in (kvo.failed_recving or ())
+            blocks = None
+            if rid in scheduler.requests:
+                blocks = list(scheduler.kv_cache_manager.get_block_ids(rid)[0])
+            ok = None if failed or not blocks or info is None else check(info["prefill_id"], blocks)
+            emit("recv_done", id=rid, failed=failed, match=ok, blocks=blocks)
+        for rid in kvo.finished_sending or ():
+            emit("freed", id=rid)
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[token] for _ in req_ids],
+            kv_connector_output=kvo,
+        )
+        outs = scheduler.update_from_output(so, mro)
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    emit("finished", id=o.request_id, reason=str(o.finish_reason), params=o.kv_transfer_params)
+        time.sleep(args.step_ms / 1000.0)
+    worker.shutdown()
+    scheduler.shutdown()
+
+
+if __name__ == "__main__":
+    main()
