@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import TypedDict
 
 import attrs
 import pytest
@@ -44,6 +45,7 @@ from kvlease import (
     LocalProtocolError,
     LocalTime,
     LostReason,
+    Message,
     PeerTime,
     Pinner,
     Rejected,
@@ -72,8 +74,31 @@ def _p(t: float) -> LocalTime:
     return LocalTime(P_EPOCH + t)
 
 
-def _accessor(cfg: LeaseConfig = CFG, engine: str = "decode-0", *, session: int = SESSION, **kw: int) -> Accessor:
-    return Accessor(cfg, engine, session=session, **kw)
+def _accessor(
+    cfg: LeaseConfig = CFG, engine: str = "decode-0", *, session: int = SESSION, rank: int = 0, ranks: int = 1
+) -> Accessor:
+    return Accessor(cfg, engine, session=session, rank=rank, ranks=ranks)
+
+
+class Layout(TypedDict, total=False):
+    """An accessor's TP layout, where it differs from rank 0 of 1."""
+
+    rank: int
+    ranks: int
+
+
+class Readdress(TypedDict, total=False):
+    """Where a reply claims to be addressed, instead of its real destination."""
+
+    to_rank: int
+    to_session: int
+
+
+def _handshake_of(out: AccessorOutput) -> Handshake:
+    """The Handshake an accessor output asks to send (a HandshakeNeeded, or a retry's Send)."""
+    msg = out.message if isinstance(out, HandshakeNeeded | Send) else None
+    assert isinstance(msg, Handshake), out
+    return msg
 
 
 class Wire:
@@ -383,17 +408,19 @@ def test_acks_that_cannot_be_trusted_are_ignored_or_rejected() -> None:
         Handshake(PIN, 0, 1, 5, PROTOCOL_VERSION, 0, 1, LocalTime(0)),
     ],
 )
-def test_messages_for_the_other_side_are_rejected(msg: object) -> None:
+def test_messages_for_the_other_side_are_rejected(msg: Message) -> None:
     acc = _accessor()
-    (rej,) = acc.receive(_a(0), msg)  # type: ignore[arg-type]
+    (rej,) = acc.receive(_a(0), msg)
     assert isinstance(rej, Rejected) and type(msg).__name__ in rej.reason
 
 
 # -- v2: replies bound to rank, session, seq and attempt ---------------------------------------
 
 
-@pytest.mark.parametrize(("field", "value"), [("to_rank", 1), ("to_session", SESSION + 1)])
-def test_misaddressed_replies_and_acks_are_rejected_and_change_nothing(field: str, value: int) -> None:
+@pytest.mark.parametrize(
+    "readdress", [Readdress(to_rank=1), Readdress(to_session=SESSION + 1)], ids=["to_rank", "to_session"]
+)
+def test_misaddressed_replies_and_acks_are_rejected_and_change_nothing(readdress: Readdress) -> None:
     pin = Pinner(CFG, PIN, INC)
     acc = _accessor()
     tk = pin.grant(_p(0), "k")
@@ -401,7 +428,7 @@ def test_misaddressed_replies_and_acks_are_rejected_and_change_nothing(field: st
     assert isinstance(hn, HandshakeNeeded)
     # Handshake reply: the real one, readdressed.
     reply = pin.handshake_reply(_p(0), hn.message)
-    (rej,) = acc.handshake_reply(_a(0), attrs.evolve(reply, **{field: value}))
+    (rej,) = acc.handshake_reply(_a(0), attrs.evolve(reply, **readdress))
     assert isinstance(rej, Rejected) and not acc.is_connected(PIN)
     assert acc.handshake_reply(_a(0), reply) == () and acc.is_connected(PIN)
     # Heartbeat ack: the real one, readdressed, validates nothing and leaves the round pending.
@@ -409,10 +436,10 @@ def test_misaddressed_replies_and_acks_are_rejected_and_change_nothing(field: st
     assert isinstance(hb, Send)
     (ack,) = pin.receive(_p(0), hb.message)
     assert isinstance(ack, Send) and isinstance(ack.message, HeartbeatAck)
-    (rej,) = acc.receive(_a(0.1), attrs.evolve(ack.message, **{field: value}))
+    (rej,) = acc.receive(_a(0.1), attrs.evolve(ack.message, **readdress))
     assert isinstance(rej, Rejected) and acc.valid_until("k") is None
     # An ack saying the lease is gone, readdressed, does not lose it either.
-    gone = attrs.evolve(ack.message, renewed=0, expired=(tk.lease_id,), **{field: value})
+    gone = attrs.evolve(ack.message, renewed=0, expired=(tk.lease_id,), **readdress)
     (rej,) = acc.receive(_a(0.1), gone)
     assert isinstance(rej, Rejected) and acc.state_of("k") is TrackedState.WAITING
     assert acc.receive(_a(0.1), ack.message) == () and acc.valid_until("k") is not None
@@ -425,7 +452,7 @@ def test_misaddressed_replies_and_acks_are_rejected_and_change_nothing(field: st
     (done,) = acc.access_finished(_a(t_late), "k", notified=True)  # finished after the window: ask
     assert isinstance(done, Send) and isinstance(done.message, AccessDone) and done.message.confirm
     stale = AccessDoneAck(PIN, 0, INC, 0, SESSION, tk.lease_id, done.message.attempt, AccessOutcome.STALE)
-    (rej,) = acc.receive(_a(t_late), attrs.evolve(stale, **{field: value}))
+    (rej,) = acc.receive(_a(t_late), attrs.evolve(stale, **readdress))
     assert isinstance(rej, Rejected) and acc.state_of("k") is TrackedState.CONFIRMING
     ok = attrs.evolve(stale, outcome=AccessOutcome.OK)
     assert acc.receive(_a(t_late), ok) == (AccessCompleted("k", tk.lease_id, confirmed_by_pinner=True),)
@@ -600,7 +627,7 @@ def test_access_failed_posted_gives_the_lease_up_with_a_release_to_every_target(
     assert pins[1].grant(_p(0), "k") == tk
     acc = _accessor()
     (hn,) = acc.track(_a(0), "k", tk)
-    acc.handshake_reply(_a(0), pins[0].handshake_reply(_p(0), hn.message))  # type: ignore[union-attr]
+    acc.handshake_reply(_a(0), pins[0].handshake_reply(_p(0), _handshake_of(hn)))
     d = acc.begin_access(_a(0.1), "k")
     assert d.allowed and d.targets == (0, 1) and d.engine_id == PIN
     out = acc.access_failed(_a(0.2), "k")  # posted=True is the default
@@ -825,9 +852,10 @@ def test_accessor_misuse() -> None:
     for bad in (float("nan"), float("inf"), 2.0**32 + 1):
         with pytest.raises(LocalProtocolError, match="finite"):
             acc.handle_timeout(LocalTime(bad))
-    for args in ({"rank": 1, "ranks": 1}, {"ranks": 0}, {"ranks": (1 << 16) + 1}):
+    bad_layouts: list[Layout] = [{"rank": 1, "ranks": 1}, {"ranks": 0}, {"ranks": (1 << 16) + 1}]
+    for layout in bad_layouts:
         with pytest.raises(LocalProtocolError):
-            _accessor(engine="d", **args)
+            _accessor(engine="d", **layout)
     with pytest.raises(LocalProtocolError):
         _accessor(engine="")
     for session in (-1, 1 << 64):
@@ -871,10 +899,11 @@ def test_heterogeneous_tp_frees_only_when_every_expected_rank_reported(p_ranks: 
     for r, acc in enumerate(accs):
         (hs,) = acc.track(_a(0), "k", tickets[0])
         assert isinstance(hs, HandshakeNeeded)
-        acc.handshake_reply(_a(0), pinners[0].handshake_reply(_p(0), hs.message))  # type: ignore[arg-type]
+        acc.handshake_reply(_a(0), pinners[0].handshake_reply(_p(0), hs.message))
         out = acc.handle_timeout(_a(0))
         # One heartbeat per target pinner rank, each to one rank (never a broadcast).
-        assert sorted(o.rank for o in out if isinstance(o, Send)) == list(layouts[r].targets)  # type: ignore[type-var]
+        ranks = sorted(o.rank for o in out if isinstance(o, Send) and o.rank is not None)
+        assert len(ranks) == len(out) and ranks == list(layouts[r].targets)
         for o in out:
             assert isinstance(o, Send) and isinstance(o.message, Heartbeat)
             # A pinner rank this accessor rank does not access refuses the heartbeat.
@@ -892,7 +921,8 @@ def test_heterogeneous_tp_frees_only_when_every_expected_rank_reported(p_ranks: 
         out = acc.access_finished(_a(0.2), "k")
         completed.extend(r for o in out if isinstance(o, AccessCompleted))
         sends = [o for o in out if isinstance(o, Send)]
-        targets[r] = {s.rank for s in sends}  # type: ignore[misc]
+        assert all(s.rank is not None for s in sends)  # each to one rank, never a broadcast
+        targets[r] = {s.rank for s in sends if s.rank is not None}
         for s in sends:
             to_pinner(s, 0.2, r)
     # Which pinner ranks each accessor rank reads from (vLLM's mapping).
@@ -913,9 +943,9 @@ def test_heterogeneous_tp_frees_only_when_every_expected_rank_reported(p_ranks: 
         assert accs[last].begin_access(_a(0.25), "k").guaranteed
         out = accs[last].access_finished(_a(0.3), "k")
         completed.extend(last for o in out if isinstance(o, AccessCompleted))
-        for s in out:
-            if isinstance(s, Send):
-                to_pinner(s, 0.3, last)
+        for o in out:
+            if isinstance(o, Send):
+                to_pinner(o, 0.3, last)
     assert all(len(frees[r]) == 1 and frees[r][0].reason is EndReason.ACCESS_DONE for r in range(p_ranks))
     assert sorted(completed) == list(range(a_ranks))
 
@@ -934,7 +964,7 @@ def test_heartbeats_split_under_the_size_bound_with_10k_leases(max_bytes: int) -
         tk = pinner.grant(_p(0), f"k{i}", lease_id=lid)
         acc.track(_a(0), f"k{i}", tk)
     (hs,) = acc.handle_timeout(_a(CFG.heartbeat_interval))
-    acc.handshake_reply(_a(1), pinner.handshake_reply(_p(1), hs.message))  # type: ignore[union-attr]
+    acc.handshake_reply(_a(1), pinner.handshake_reply(_p(1), _handshake_of(hs)))
     out = acc.handle_timeout(_a(1))
     sent: list[int] = []
     for o in out:
@@ -970,7 +1000,7 @@ def test_long_engine_id_under_the_smallest_message_bound() -> None:
     acc = _accessor(cfg, "decode-with-a-rather-long-engine-name-0")
     tk = pinner.grant(_p(0), "k")
     (hs,) = acc.track(_a(0), "k", tk)
-    acc.handshake_reply(_a(0), pinner.handshake_reply(_p(0), hs.message))  # type: ignore[union-attr]
+    acc.handshake_reply(_a(0), pinner.handshake_reply(_p(0), _handshake_of(hs)))
     out = acc.handle_timeout(_a(0))
     assert out
     for o in out:
@@ -1122,7 +1152,7 @@ def test_confirmation_needs_every_pinner_rank() -> None:
     acc = _accessor()
     tks = [p.grant(_p(0), "k", lease_id=5) for p in pinners]
     (hs,) = acc.track(_a(0), "k", tks[0])
-    acc.handshake_reply(_a(0), pinners[0].handshake_reply(_p(0), hs.message))  # type: ignore[union-attr]
+    acc.handshake_reply(_a(0), pinners[0].handshake_reply(_p(0), _handshake_of(hs)))
     acc.begin_access(_a(0), "k")  # never acknowledged: the access must be confirmed
     sends = [o for o in acc.access_finished(_a(0.1), "k") if isinstance(o, Send)]
     assert sorted(s.rank for s in sends) == [0, 1]  # type: ignore[type-var]
@@ -1160,7 +1190,7 @@ def test_acks_stay_under_the_size_bound_when_the_pinner_id_is_longer() -> None:
         elif i % 4 == 2:
             pinner.receive(_p(1), AccessDone("decode-0", 0, 1, SESSION, 2**63, tk.lease_id, 1, False, _a(0)))
     (hs,) = acc.handle_timeout(_a(CFG.heartbeat_interval))
-    acc.handshake_reply(_a(1), pinner.handshake_reply(_p(1), hs.message))  # type: ignore[union-attr]
+    acc.handshake_reply(_a(1), pinner.handshake_reply(_p(1), _handshake_of(hs)))
     lost: list[AccessorOutput] = []
     for o in acc.handle_timeout(_a(1)):
         assert isinstance(o, Send) and len(encode(o.message)) <= MIN_MESSAGE_BYTES
