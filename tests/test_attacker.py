@@ -108,6 +108,11 @@ def _wait_stats(a: Agent, pred: Callable[[dict[str, Any]], bool], what: str, tim
         time.sleep(0.1)
 
 
+def _about(key: str, *events: str) -> Callable[[dict[str, Any]], bool]:
+    """A predicate on an agent's events: one of `events`, about `key` (bound now, not at call)."""
+    return lambda e: e["ev"] in events and e.get("key") == key
+
+
 def _hb_count(p: Agent) -> int:
     return max((e["count"] for e in p.find(lambda e: e["ev"] == "hb")), default=0)
 
@@ -142,7 +147,7 @@ def _read_all(d: Agent, grants: dict[str, dict[str, Any]], fill: int) -> dict[st
         started[key] = asked
     names = ("AccessCompleted", "AccessStale", "LeaseLost", "TransferFailed")
     for i, key in enumerate(grants):
-        out = d.wait_for(lambda e, k=key: e["ev"] in names and e.get("key") == k, 15.0)
+        out = d.wait_for(_about(key, *names), 15.0)
         assert out["ev"] == "AccessCompleted" and out["values"] == [fill + i], out
     return started
 
@@ -256,7 +261,7 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         # frees each only once D's read of it began, by access-done.
         started = _read_all(d, grants, fill=0x10)
         for k, t in started.items():
-            free = p.wait_for(lambda e, k=k: e["ev"] == "Free" and e["key"] == k, 10.0)
+            free = p.wait_for(_about(k, "Free"), 10.0)
             assert free["reason"] == "access_done" and free["t"] >= t, (free, t)
 
         # D dies. X keeps replaying D's captured frames (its real sealed heartbeats and
@@ -284,7 +289,7 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         bound = EXT + IVL + SLACK
         delays = []
         for k in hold:
-            free = p.wait_for(lambda e, k=k: e["ev"] == "Free" and e["key"] == k, bound + 10.0)
+            free = p.wait_for(_about(k, "Free"), bound + 10.0)
             assert free["reason"] == "expired", free
             delays.append((free["t"] - killed, free["t"] - last_hb))
         after = _stats(p)
@@ -344,7 +349,7 @@ def test_without_a_key_binding_refuses_every_forgery_from_another_accessor(trans
         _assert_nothing_happened(p, d)
         started = _read_all(d, grants, fill=0x10)
         for k, t in started.items():
-            free = p.wait_for(lambda e, k=k: e["ev"] == "Free" and e["key"] == k, 10.0)
+            free = p.wait_for(_about(k, "Free"), 10.0)
             assert free["reason"] == "access_done" and free["t"] >= t, (free, t)
 
         # Control: with D's own engine id and session (visible on the wire), the same forgery
