@@ -216,7 +216,7 @@ def bench_reads(reps: dict[str, int]) -> dict[str, dict[str, float]]:
     from kvlease import Accessor, LeaseConfig, LeaseTicket
 
     peer = Peer("pin")
-    tr = NixlTransport("bench-reader", session=new_session())
+    tr = NixlTransport("bench-reader")
     driver = Driver(tr, accessor=Accessor(LeaseConfig(kv_lease_duration=LEASE), "bench-reader", session=new_session()))
     results: dict[str, dict[str, float]] = {}
     try:
