@@ -86,33 +86,82 @@ _OUTCOME: Final = "outcome"  # AccessOutcome
 #: Every message's fields after [version, type], in wire order: (attribute, kind).
 _FIELDS: Final[dict[int, tuple[tuple[str, str], ...]]] = {
     _T_HANDSHAKE: (
-        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("session", _UINT), ("version", _UINT),
-        ("capabilities", _UINT), ("seq", _UINT), ("t_send", _TIME),
+        ("engine_id", _ENGINE),
+        ("rank", _UINT),
+        ("ranks", _RANKS),
+        ("session", _UINT),
+        ("version", _UINT),
+        ("capabilities", _UINT),
+        ("seq", _UINT),
+        ("t_send", _TIME),
     ),
     _T_HANDSHAKE_REPLY: (
-        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("incarnation", _UINT), ("version", _UINT),
-        ("capabilities", _UINT), ("max_message_bytes", _MMB), ("to_rank", _UINT), ("to_session", _UINT),
-        ("seq", _UINT), ("t_echo", _TIME), ("t_recv", _TIME), ("t_send", _TIME),
+        ("engine_id", _ENGINE),
+        ("rank", _UINT),
+        ("ranks", _RANKS),
+        ("incarnation", _UINT),
+        ("version", _UINT),
+        ("capabilities", _UINT),
+        ("max_message_bytes", _MMB),
+        ("to_rank", _UINT),
+        ("to_session", _UINT),
+        ("seq", _UINT),
+        ("t_echo", _TIME),
+        ("t_recv", _TIME),
+        ("t_send", _TIME),
     ),
     _T_HEARTBEAT: (
-        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("session", _UINT), ("incarnation", _UINT),
-        ("seq", _UINT), ("t_send", _TIME), ("lease_ids", _IDS),
+        ("engine_id", _ENGINE),
+        ("rank", _UINT),
+        ("ranks", _RANKS),
+        ("session", _UINT),
+        ("incarnation", _UINT),
+        ("seq", _UINT),
+        ("t_send", _TIME),
+        ("lease_ids", _IDS),
     ),
     _T_HEARTBEAT_ACK: (
-        ("engine_id", _ENGINE), ("rank", _UINT), ("incarnation", _UINT), ("to_rank", _UINT), ("to_session", _UINT),
-        ("seq", _UINT), ("t_echo", _TIME), ("t_recv", _TIME), ("renewed", _UINT), ("unknown", _IDS),
-        ("expired", _IDS), ("released", _IDS), ("completed", _IDS),
+        ("engine_id", _ENGINE),
+        ("rank", _UINT),
+        ("incarnation", _UINT),
+        ("to_rank", _UINT),
+        ("to_session", _UINT),
+        ("seq", _UINT),
+        ("t_echo", _TIME),
+        ("t_recv", _TIME),
+        ("renewed", _UINT),
+        ("unknown", _IDS),
+        ("expired", _IDS),
+        ("released", _IDS),
+        ("completed", _IDS),
     ),
     _T_ACCESS_DONE: (
-        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("session", _UINT), ("incarnation", _UINT),
-        ("lease_id", _UINT), ("attempt", _UINT), ("confirm", _BOOL), ("t_send", _TIME),
+        ("engine_id", _ENGINE),
+        ("rank", _UINT),
+        ("ranks", _RANKS),
+        ("session", _UINT),
+        ("incarnation", _UINT),
+        ("lease_id", _UINT),
+        ("attempt", _UINT),
+        ("confirm", _BOOL),
+        ("t_send", _TIME),
     ),
     _T_ACCESS_DONE_ACK: (
-        ("engine_id", _ENGINE), ("rank", _UINT), ("incarnation", _UINT), ("to_rank", _UINT), ("to_session", _UINT),
-        ("lease_id", _UINT), ("attempt", _UINT), ("outcome", _OUTCOME),
+        ("engine_id", _ENGINE),
+        ("rank", _UINT),
+        ("incarnation", _UINT),
+        ("to_rank", _UINT),
+        ("to_session", _UINT),
+        ("lease_id", _UINT),
+        ("attempt", _UINT),
+        ("outcome", _OUTCOME),
     ),
     _T_RELEASE: (
-        ("engine_id", _ENGINE), ("rank", _UINT), ("ranks", _RANKS), ("session", _UINT), ("incarnation", _UINT),
+        ("engine_id", _ENGINE),
+        ("rank", _UINT),
+        ("ranks", _RANKS),
+        ("session", _UINT),
+        ("incarnation", _UINT),
         ("lease_ids", _IDS),
     ),
 }
@@ -302,44 +351,109 @@ def _fast_encode_body(msg: Message) -> list[Any] | None:
     if cls is Heartbeat:
         assert isinstance(msg, Heartbeat)
         if (
-            _fast_engine(msg.engine_id) and _fast_ranks(msg.rank, msg.ranks) and _fast_uint(msg.session)
-            and _fast_uint(msg.incarnation) and _fast_uint(msg.seq) and _fast_time(msg.t_send)
+            _fast_engine(msg.engine_id)
+            and _fast_ranks(msg.rank, msg.ranks)
+            and _fast_uint(msg.session)
+            and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.seq)
+            and _fast_time(msg.t_send)
         ):
             ids = _fast_pack_ids(msg.lease_ids)
             if ids is not None:
-                return [PROTOCOL_VERSION, _T_HEARTBEAT, msg.engine_id, msg.rank, msg.ranks, msg.session,
-                        msg.incarnation, msg.seq, msg.t_send, ids]
+                return [
+                    PROTOCOL_VERSION,
+                    _T_HEARTBEAT,
+                    msg.engine_id,
+                    msg.rank,
+                    msg.ranks,
+                    msg.session,
+                    msg.incarnation,
+                    msg.seq,
+                    msg.t_send,
+                    ids,
+                ]
     elif cls is HeartbeatAck:
         assert isinstance(msg, HeartbeatAck)
         if (
-            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
-            and _fast_uint(msg.to_rank) and _fast_uint(msg.to_session) and _fast_uint(msg.seq)
-            and _fast_time(msg.t_echo) and _fast_time(msg.t_recv) and _fast_uint(msg.renewed)
+            _fast_engine(msg.engine_id)
+            and _fast_uint(msg.rank)
+            and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.to_rank)
+            and _fast_uint(msg.to_session)
+            and _fast_uint(msg.seq)
+            and _fast_time(msg.t_echo)
+            and _fast_time(msg.t_recv)
+            and _fast_uint(msg.renewed)
         ):
             unknown, expired = _fast_pack_ids(msg.unknown), _fast_pack_ids(msg.expired)
             released, completed = _fast_pack_ids(msg.released), _fast_pack_ids(msg.completed)
             if unknown is not None and expired is not None and released is not None and completed is not None:
-                return [PROTOCOL_VERSION, _T_HEARTBEAT_ACK, msg.engine_id, msg.rank, msg.incarnation, msg.to_rank,
-                        msg.to_session, msg.seq, msg.t_echo, msg.t_recv, msg.renewed,
-                        unknown, expired, released, completed]
+                return [
+                    PROTOCOL_VERSION,
+                    _T_HEARTBEAT_ACK,
+                    msg.engine_id,
+                    msg.rank,
+                    msg.incarnation,
+                    msg.to_rank,
+                    msg.to_session,
+                    msg.seq,
+                    msg.t_echo,
+                    msg.t_recv,
+                    msg.renewed,
+                    unknown,
+                    expired,
+                    released,
+                    completed,
+                ]
     elif cls is AccessDone:
         assert isinstance(msg, AccessDone)
         if (
-            _fast_engine(msg.engine_id) and _fast_ranks(msg.rank, msg.ranks) and _fast_uint(msg.session)
-            and _fast_uint(msg.incarnation) and _fast_uint(msg.lease_id) and _fast_uint(msg.attempt)
-            and type(msg.confirm) is bool and _fast_time(msg.t_send)
+            _fast_engine(msg.engine_id)
+            and _fast_ranks(msg.rank, msg.ranks)
+            and _fast_uint(msg.session)
+            and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.lease_id)
+            and _fast_uint(msg.attempt)
+            and type(msg.confirm) is bool
+            and _fast_time(msg.t_send)
         ):
-            return [PROTOCOL_VERSION, _T_ACCESS_DONE, msg.engine_id, msg.rank, msg.ranks, msg.session,
-                    msg.incarnation, msg.lease_id, msg.attempt, msg.confirm, msg.t_send]
+            return [
+                PROTOCOL_VERSION,
+                _T_ACCESS_DONE,
+                msg.engine_id,
+                msg.rank,
+                msg.ranks,
+                msg.session,
+                msg.incarnation,
+                msg.lease_id,
+                msg.attempt,
+                msg.confirm,
+                msg.t_send,
+            ]
     elif cls is AccessDoneAck:
         assert isinstance(msg, AccessDoneAck)
         if (
-            _fast_engine(msg.engine_id) and _fast_uint(msg.rank) and _fast_uint(msg.incarnation)
-            and _fast_uint(msg.to_rank) and _fast_uint(msg.to_session) and _fast_uint(msg.lease_id)
-            and _fast_uint(msg.attempt) and type(msg.outcome) is AccessOutcome
+            _fast_engine(msg.engine_id)
+            and _fast_uint(msg.rank)
+            and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.to_rank)
+            and _fast_uint(msg.to_session)
+            and _fast_uint(msg.lease_id)
+            and _fast_uint(msg.attempt)
+            and type(msg.outcome) is AccessOutcome
         ):
-            return [PROTOCOL_VERSION, _T_ACCESS_DONE_ACK, msg.engine_id, msg.rank, msg.incarnation, msg.to_rank,
-                    msg.to_session, msg.lease_id, msg.attempt, int(msg.outcome)]
+            return [
+                PROTOCOL_VERSION,
+                _T_ACCESS_DONE_ACK,
+                msg.engine_id,
+                msg.rank,
+                msg.incarnation,
+                msg.to_rank,
+                msg.to_session,
+                msg.lease_id,
+                msg.attempt,
+                int(msg.outcome),
+            ]
     return None
 
 
@@ -418,8 +532,12 @@ def _decode_field(what: str, kind: str, v: Any) -> Any:
             )
         return v
     if kind in (_UINT, _RANKS, _MMB, _OUTCOME):
-        lo, hi = {_UINT: (0, _U64 - 1), _RANKS: (1, MAX_RANKS), _MMB: (1, _U64 - 1),
-                  _OUTCOME: (0, int(max(AccessOutcome)))}[kind]
+        lo, hi = {
+            _UINT: (0, _U64 - 1),
+            _RANKS: (1, MAX_RANKS),
+            _MMB: (1, _U64 - 1),
+            _OUTCOME: (0, int(max(AccessOutcome))),
+        }[kind]
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
             raise DecodeError(f"{what}: expected an integer in [{lo}, {hi}], got {v!r}", category="field")
         return AccessOutcome(v) if kind == _OUTCOME else v
@@ -451,8 +569,12 @@ def _fast_ids(v: object) -> tuple[int, ...] | None:
 def _fast_heartbeat(items: list[Any]) -> Message | None:
     _, _, engine, rank, ranks, session, inc, seq, t_send, ids = items
     if (
-        _fast_engine(engine) and _fast_ranks(rank, ranks) and _fast_uint(session) and _fast_uint(inc)
-        and _fast_uint(seq) and _fast_time(t_send)
+        _fast_engine(engine)
+        and _fast_ranks(rank, ranks)
+        and _fast_uint(session)
+        and _fast_uint(inc)
+        and _fast_uint(seq)
+        and _fast_time(t_send)
     ):
         lease_ids = _fast_ids(ids)
         if lease_ids is not None:
@@ -463,8 +585,14 @@ def _fast_heartbeat(items: list[Any]) -> Message | None:
 def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
     _, _, engine, rank, inc, to_rank, to_session, seq, t_echo, t_recv, renewed, u, e, r, c = items
     if (
-        _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(to_rank)
-        and _fast_uint(to_session) and _fast_uint(seq) and _fast_time(t_echo) and _fast_time(t_recv)
+        _fast_engine(engine)
+        and _fast_uint(rank)
+        and _fast_uint(inc)
+        and _fast_uint(to_rank)
+        and _fast_uint(to_session)
+        and _fast_uint(seq)
+        and _fast_time(t_echo)
+        and _fast_time(t_recv)
         and _fast_uint(renewed)
     ):
         # An ack's four lists are usually empty.
@@ -474,8 +602,19 @@ def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
         completed = () if c == [] else _fast_ids(c)
         if unknown is not None and expired is not None and released is not None and completed is not None:
             return HeartbeatAck(
-                engine, rank, inc, to_rank, to_session, seq, t_echo, t_recv, renewed,
-                unknown, expired, released, completed,
+                engine,
+                rank,
+                inc,
+                to_rank,
+                to_session,
+                seq,
+                t_echo,
+                t_recv,
+                renewed,
+                unknown,
+                expired,
+                released,
+                completed,
             )
     return None
 
@@ -483,8 +622,14 @@ def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
 def _fast_access_done(items: list[Any]) -> Message | None:
     _, _, engine, rank, ranks, session, inc, lease_id, attempt, confirm, t_send = items
     if (
-        _fast_engine(engine) and _fast_ranks(rank, ranks) and _fast_uint(session) and _fast_uint(inc)
-        and _fast_uint(lease_id) and _fast_uint(attempt) and type(confirm) is bool and _fast_time(t_send)
+        _fast_engine(engine)
+        and _fast_ranks(rank, ranks)
+        and _fast_uint(session)
+        and _fast_uint(inc)
+        and _fast_uint(lease_id)
+        and _fast_uint(attempt)
+        and type(confirm) is bool
+        and _fast_time(t_send)
     ):
         return AccessDone(engine, rank, ranks, session, inc, lease_id, attempt, confirm, t_send)
     return None
@@ -496,8 +641,14 @@ _OUTCOMES: Final = {int(o): o for o in AccessOutcome}
 def _fast_access_done_ack(items: list[Any]) -> Message | None:
     _, _, engine, rank, inc, to_rank, to_session, lease_id, attempt, outcome = items
     if (
-        _fast_engine(engine) and _fast_uint(rank) and _fast_uint(inc) and _fast_uint(to_rank)
-        and _fast_uint(to_session) and _fast_uint(lease_id) and _fast_uint(attempt) and type(outcome) is int
+        _fast_engine(engine)
+        and _fast_uint(rank)
+        and _fast_uint(inc)
+        and _fast_uint(to_rank)
+        and _fast_uint(to_session)
+        and _fast_uint(lease_id)
+        and _fast_uint(attempt)
+        and type(outcome) is int
     ):
         verdict = _OUTCOMES.get(outcome)
         if verdict is not None:

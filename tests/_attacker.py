@@ -98,11 +98,29 @@ def _forgeries(plan: dict[str, Any], rnd: int, incarnation: int) -> list[bytes]:
             continue
         if "heartbeat_ack" in kinds:
             for seq in plan.get("seqs", range(1, 6)):
-                msgs.append(HeartbeatAck(pinner, 0, incarnation, 0, session, seq, PeerTime(now - 0.01),
-                                         PeerTime(now), 0, expired=ids))
+                msgs.append(
+                    HeartbeatAck(
+                        pinner, 0, incarnation, 0, session, seq, PeerTime(now - 0.01), PeerTime(now), 0, expired=ids
+                    )
+                )
         if "handshake_reply" in kinds:
-            msgs.append(HandshakeReply(pinner, 0, 1, random.getrandbits(63), 2, 7, 1024, 0, session, 1,
-                                       PeerTime(now - 0.01), PeerTime(now), PeerTime(now)))
+            msgs.append(
+                HandshakeReply(
+                    pinner,
+                    0,
+                    1,
+                    random.getrandbits(63),
+                    2,
+                    7,
+                    1024,
+                    0,
+                    session,
+                    1,
+                    PeerTime(now - 0.01),
+                    PeerTime(now),
+                    PeerTime(now),
+                )
+            )
         if "access_done_ack" in kinds:
             for i in ids:
                 msgs.append(AccessDoneAck(pinner, 0, incarnation, 0, session, i, 1, AccessOutcome.STALE))
@@ -224,8 +242,7 @@ def _main(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the chi
                         msg = decode(reply)
                         if isinstance(msg, HandshakeReply):
                             incarnation = learned["incarnation"] = msg.incarnation
-                _emit("handshake_reply", rid=rid, data=None if reply is None else reply.hex(),
-                      incarnation=incarnation)
+                _emit("handshake_reply", rid=rid, data=None if reply is None else reply.hex(), incarnation=incarnation)
             elif op in ("forge", "replay"):
                 job = dict(cmd, next=time.monotonic(), round=0, sent=0, failed=0)
                 if op == "forge":

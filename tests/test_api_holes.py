@@ -125,8 +125,9 @@ def session_of(engine: str, rank: int) -> int:
 def make_accessor(
     cfg: LeaseConfig, engine: str, rank: int = 0, ranks: int = 1, *, session: int | None = None
 ) -> Accessor:
-    return Accessor(cfg, engine, session=session_of(engine, rank) if session is None else session, rank=rank,
-                    ranks=ranks)
+    return Accessor(
+        cfg, engine, session=session_of(engine, rank) if session is None else session, rank=rank, ranks=ranks
+    )
 
 
 # -- clocks and names ---------------------------------------------------------------------------

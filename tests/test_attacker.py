@@ -202,12 +202,33 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         # Forgeries. The incarnation and D's session travel in clear inside sealed frames, so X
         # is given the real ones (and a guessed session too).
         guess = random.getrandbits(64)
-        common = {"sessions": [s_d, guess], "ids": ids, "seals": ["none", "wrong"], "incarnation": inc,
-                  "rounds": 3, "interval": 0.3}
-        _attack(x, "forge", name="forge-P", to="P", kinds=["access_done", "release", "heartbeat"],
-                engines=["D", "Z"], **common)
-        _attack(x, "forge", name="forge-D", to="D", kinds=["heartbeat_ack", "handshake_reply", "access_done_ack"],
-                pinner="P", seqs=list(range(1, 6)), **common)
+        common = {
+            "sessions": [s_d, guess],
+            "ids": ids,
+            "seals": ["none", "wrong"],
+            "incarnation": inc,
+            "rounds": 3,
+            "interval": 0.3,
+        }
+        _attack(
+            x,
+            "forge",
+            name="forge-P",
+            to="P",
+            kinds=["access_done", "release", "heartbeat"],
+            engines=["D", "Z"],
+            **common,
+        )
+        _attack(
+            x,
+            "forge",
+            name="forge-D",
+            to="D",
+            kinds=["heartbeat_ack", "handshake_reply", "access_done_ack"],
+            pinner="P",
+            seqs=list(range(1, 6)),
+            **common,
+        )
 
         # Replays of authentic frames from another connection: what a previous D process
         # (session s0) sent for these leases, and P's replies addressed to it; plus P's own
@@ -222,16 +243,45 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
             HeartbeatAck("P", 0, inc, 0, s0, q, PeerTime(t0 + q), PeerTime(t0 + q), 0, expired=tuple(ids))
             for q in seqs[:3]
         ]
-        to_d.append(HandshakeReply("P", 0, 1, random.getrandbits(63), PROTOCOL_VERSION, 7, 1024, 0, s0, 1,
-                                   PeerTime(t0), PeerTime(t0), PeerTime(t0)))
+        to_d.append(
+            HandshakeReply(
+                "P",
+                0,
+                1,
+                random.getrandbits(63),
+                PROTOCOL_VERSION,
+                7,
+                1024,
+                0,
+                s0,
+                1,
+                PeerTime(t0),
+                PeerTime(t0),
+                PeerTime(t0),
+            )
+        )
         to_d += [AccessDoneAck("P", 0, inc, 0, s0, i, 7 + i, AccessOutcome.STALE) for i in ids]
         p_replies = [data.hex() for _, data, _ in _wire(p, auth)]
         assert p_replies, "P sent D nothing to capture"
         rounds = 2
-        _attack(x, "replay", name="replay-P", to="P", frames=[auth.seal(encode(m)).hex() for m in to_p],
-                rounds=rounds, interval=0.3)
-        _attack(x, "replay", name="replay-D", to="D",
-                frames=[auth.seal(encode(m)).hex() for m in to_d] + p_replies, rounds=rounds, interval=0.3)
+        _attack(
+            x,
+            "replay",
+            name="replay-P",
+            to="P",
+            frames=[auth.seal(encode(m)).hex() for m in to_p],
+            rounds=rounds,
+            interval=0.3,
+        )
+        _attack(
+            x,
+            "replay",
+            name="replay-D",
+            to="D",
+            frames=[auth.seal(encode(m)).hex() for m in to_d] + p_replies,
+            rounds=rounds,
+            interval=0.3,
+        )
 
         forged_p, forged_d = _done(x, "forge-P"), _done(x, "forge-D")
         replayed_p, replayed_d = _done(x, "replay-P"), _done(x, "replay-D")
@@ -242,16 +292,20 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         # access-dones that asked for confirmation).
         want_p = rounds * (N + N + len(seqs))
         want_d = rounds * (3 + 1 + N + len(seqs) + N // 2)
-        sp = _wait_stats(p, lambda s: s["unauthenticated_messages"] > forged_p and s["rejected_messages"] >= want_p,
-                         "P's drops")
-        sd = _wait_stats(d, lambda s: s["unauthenticated_messages"] >= forged_d and s["rejected_messages"] >= want_d,
-                         "D's drops")
+        sp = _wait_stats(
+            p, lambda s: s["unauthenticated_messages"] > forged_p and s["rejected_messages"] >= want_p, "P's drops"
+        )
+        sd = _wait_stats(
+            d, lambda s: s["unauthenticated_messages"] >= forged_d and s["rejected_messages"] >= want_d, "D's drops"
+        )
         time.sleep(0.5)
         sp, sd = _stats(p), _stats(d)
-        print(f"\n[{transport}] keyed: X sent {forged_p} forged frames + 1 handshake to P, {forged_d} to D, "
-              f"{replayed_p} + {replayed_d} replays; P dropped {sp['unauthenticated_messages']} unauthenticated, "
-              f"rejected {sp['rejected_messages']}; D dropped {sd['unauthenticated_messages']}, rejected "
-              f"{sd['rejected_messages']}")
+        print(
+            f"\n[{transport}] keyed: X sent {forged_p} forged frames + 1 handshake to P, {forged_d} to D, "
+            f"{replayed_p} + {replayed_d} replays; P dropped {sp['unauthenticated_messages']} unauthenticated, "
+            f"rejected {sp['rejected_messages']}; D dropped {sd['unauthenticated_messages']}, rejected "
+            f"{sd['rejected_messages']}"
+        )
         assert sp["unauthenticated_messages"] == forged_p + 1 and sp["rejected_messages"] == want_p, sp
         assert sd["unauthenticated_messages"] == forged_d and sd["rejected_messages"] == want_d, sd
         assert sp["malformed_messages"] == sd["malformed_messages"] == 0
@@ -280,8 +334,20 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         rounds = int(duration / 0.2) + 1
         before = _stats(p)
         _attack(x, "replay", name="replay-dead", to="P", frames=frames, rounds=rounds, interval=0.2)
-        _attack(x, "forge", name="forge-dead", to="P", kinds=["heartbeat"], engines=["D"], sessions=[s_d],
-                ids=hold_ids, seals=["none", "wrong"], incarnation=inc, rounds=rounds, interval=0.2)
+        _attack(
+            x,
+            "forge",
+            name="forge-dead",
+            to="P",
+            kinds=["heartbeat"],
+            engines=["D"],
+            sessions=[s_d],
+            ids=hold_ids,
+            seals=["none", "wrong"],
+            incarnation=inc,
+            rounds=rounds,
+            interval=0.2,
+        )
         killed = d.kill()
         d.proc.wait(10.0)
         hb_at_death = max((e["count"] for e in p.find(lambda e: e["ev"] == "hb" and e["t"] <= killed)), default=0)
@@ -295,12 +361,14 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         after = _stats(p)
         hb_after_death = _hb_count(p) - hb_at_death
         worst = max(a for a, _ in delays)
-        print(f"[{transport}] D SIGKILLed under replay: {N} leases freed {min(a for a, _ in delays):.3f}.."
-              f"{worst:.3f} s after its death ({min(b for _, b in delays):.3f}..{max(b for _, b in delays):.3f} s "
-              f"after its last heartbeat was sent); bound extension + interval + slack = {bound:.3f} s; P opened "
-              f"{hb_after_death} replayed heartbeats after D's death and dropped "
-              f"{after['unauthenticated_messages'] - before['unauthenticated_messages']} forged frames meanwhile "
-              f"({len(frames)} frames replayed per round); {time.monotonic() - t_start:.1f} s in all")
+        print(
+            f"[{transport}] D SIGKILLed under replay: {N} leases freed {min(a for a, _ in delays):.3f}.."
+            f"{worst:.3f} s after its death ({min(b for _, b in delays):.3f}..{max(b for _, b in delays):.3f} s "
+            f"after its last heartbeat was sent); bound extension + interval + slack = {bound:.3f} s; P opened "
+            f"{hb_after_death} replayed heartbeats after D's death and dropped "
+            f"{after['unauthenticated_messages'] - before['unauthenticated_messages']} forged frames meanwhile "
+            f"({len(frames)} frames replayed per round); {time.monotonic() - t_start:.1f} s in all"
+        )
         assert worst <= bound
         # The replays were authentic and reached the core (counted as heartbeats) after D's
         # death, rounds of them, yet renewed nothing; the forgeries were dropped.
@@ -327,9 +395,20 @@ def test_without_a_key_binding_refuses_every_forgery_from_another_accessor(trans
         sessions = [random.getrandbits(64), random.getrandbits(64)]
         assert s_d not in sessions
         rounds = 3
-        _attack(x, "forge", name="forge-P", to="P", kinds=["access_done", "release", "heartbeat"],
-                engines=["Z", "D"], sessions=sessions, ids=ids, seals=["none"], incarnation="learned",
-                rounds=rounds, interval=0.3)
+        _attack(
+            x,
+            "forge",
+            name="forge-P",
+            to="P",
+            kinds=["access_done", "release", "heartbeat"],
+            engines=["Z", "D"],
+            sessions=sessions,
+            ids=ids,
+            seals=["none"],
+            incarnation="learned",
+            rounds=rounds,
+            interval=0.3,
+        )
         sent = _done(x, "forge-P")
         # P refuses each access-done, each id of each release and each heartbeat; it answers
         # those under "D" that ask for it (5 confirmed access-dones and the heartbeat per round
@@ -342,8 +421,10 @@ def test_without_a_key_binding_refuses_every_forgery_from_another_accessor(trans
         sd = _wait_stats(d, lambda s: s["rejected_messages"] >= want_d, "D's rejections")
         time.sleep(0.5)
         sp, sd = _stats(p), _stats(d)
-        print(f"\n[{transport}] no key: X learned the incarnation, sent {sent} forged frames; P rejected "
-              f"{sp['rejected_messages']} (want {want_p}), D rejected {sd['rejected_messages']} reflected acks")
+        print(
+            f"\n[{transport}] no key: X learned the incarnation, sent {sent} forged frames; P rejected "
+            f"{sp['rejected_messages']} (want {want_p}), D rejected {sd['rejected_messages']} reflected acks"
+        )
         assert sp["rejected_messages"] == want_p and sd["rejected_messages"] == want_d, (sp, sd)
         assert sp["unauthenticated_messages"] == sp["malformed_messages"] == 0
         _assert_nothing_happened(p, d)
@@ -357,11 +438,24 @@ def test_without_a_key_binding_refuses_every_forgery_from_another_accessor(trans
         # this forgery too, and there it is dropped.
         ctl = _grant_and_track(p, d, "ctl", fill=0x70, n=1)
         ctl_id = ctl["ctl-1"]["ticket"]["lease_id"]
-        _attack(x, "forge", name="control", to="P", kinds=["access_done"], engines=["D"], sessions=[s_d],
-                ids=[ctl_id], seals=["none"], incarnation="learned", rounds=1)
+        _attack(
+            x,
+            "forge",
+            name="control",
+            to="P",
+            kinds=["access_done"],
+            engines=["D"],
+            sessions=[s_d],
+            ids=[ctl_id],
+            seals=["none"],
+            incarnation="learned",
+            rounds=1,
+        )
         _done(x, "control")
         free = p.wait_for(lambda e: e["ev"] == "Free" and e["key"] == "ctl-1", 10.0)
         assert free["reason"] == "access_done"
         lost = d.wait_for(lambda e: e["ev"] == "LeaseLost" and e["key"] == "ctl-1", 10.0)
-        print(f"[{transport}] control (D's engine id and session spoofed, no key): P freed the unread lease, "
-              f"D reported it lost ({lost['reason']}); {time.monotonic() - t_start:.1f} s in all")
+        print(
+            f"[{transport}] control (D's engine id and session spoofed, no key): P freed the unread lease, "
+            f"D reported it lost ({lost['reason']}); {time.monotonic() - t_start:.1f} s in all"
+        )

@@ -118,8 +118,9 @@ def test_the_tag_counts_against_the_message_bound() -> None:
 # -- the driver: keys loaded at start-up, input judged before decoding -------------------------
 
 
-def test_load_frame_auth_reads_env_and_file_and_names_the_setting(monkeypatch: pytest.MonkeyPatch,
-                                                                  tmp_path: Path) -> None:
+def test_load_frame_auth_reads_env_and_file_and_names_the_setting(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from kvlease.transports import load_frame_auth
 
     assert load_frame_auth(LeaseConfig()) is None
@@ -161,10 +162,13 @@ def test_a_keyed_driver_drops_and_counts_what_is_not_sealed_with_its_key(monkeyp
     from kvlease.transports.zmq_transport import ZmqTransport
 
     monkeypatch.setenv("KVLEASE_TEST_KEY", K1.hex())
-    cfg = LeaseConfig(kv_lease_duration=3.0, max_access_time=0.2, vllm_compat=True,
-                      auth_keys=("env:KVLEASE_TEST_KEY",))
-    p = Driver(ZmqTransport("P", bind="tcp://127.0.0.1:0"), pinner=Pinner(cfg, "P", random.getrandbits(63)),
-               vllm_compat=True, log_interval=60.0)
+    cfg = LeaseConfig(kv_lease_duration=3.0, max_access_time=0.2, vllm_compat=True, auth_keys=("env:KVLEASE_TEST_KEY",))
+    p = Driver(
+        ZmqTransport("P", bind="tcp://127.0.0.1:0"),
+        pinner=Pinner(cfg, "P", random.getrandbits(63)),
+        vllm_compat=True,
+        log_interval=60.0,
+    )
     d = Driver(ZmqTransport("D", bind="tcp://127.0.0.1:0"), accessor=Accessor(cfg, "D", session=11))
     try:
         ticket = p.grant("req-1")

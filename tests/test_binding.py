@@ -113,9 +113,7 @@ def test_a_replayed_heartbeat_is_acknowledged_but_extends_nothing() -> None:
         assert ack.renewed == 1 and ack.unknown == ()
         info = p.info(lid)
         assert info is not None and info.expiry == extended.expiry
-    assert [f.reason.value for f in p.handle_timeout(_t(3 + CFG.lease_extension)) if isinstance(f, Free)] == [
-        "expired"
-    ]
+    assert [f.reason.value for f in p.handle_timeout(_t(3 + CFG.lease_extension)) if isinstance(f, Free)] == ["expired"]
 
 
 def test_a_newer_heartbeat_extends_and_each_rank_keeps_its_own_seq() -> None:

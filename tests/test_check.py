@@ -21,8 +21,26 @@ from kvlease.check import CHECK_BUGS, Scope, explore, to_vector
 from kvlease.cli import main
 from kvlease.conformance import CoreImplementation, run_vector
 
-EVERY = frozenset({"grant", "release", "track", "retrack", "untrack", "begin", "finish", "fail", "disconnect",
-                   "drop", "dup", "misroute", "cross", "replay", "advance", "restart"})
+EVERY = frozenset(
+    {
+        "grant",
+        "release",
+        "track",
+        "retrack",
+        "untrack",
+        "begin",
+        "finish",
+        "fail",
+        "disconnect",
+        "drop",
+        "dup",
+        "misroute",
+        "cross",
+        "replay",
+        "advance",
+        "restart",
+    }
+)
 
 
 def _only(*families: str) -> frozenset[str]:
@@ -33,29 +51,41 @@ def _only(*families: str) -> frozenset[str]:
 HOLES: dict[str, tuple[Scope, tuple[str, ...], int]] = {
     "retrack": (
         Scope(depth=12, without=_only("grant", "track", "deliver", "begin", "fail", "finish", "retrack")),
-        ("re-track given-up", "access_failed"), 11,
+        ("re-track given-up", "access_failed"),
+        11,
     ),
     "wrong-rank": (
-        Scope(pinner_ranks=2, accessor_ranks=2, depth=10, rates=(1.0, 1.0),
-              without=_only("grant", "track", "deliver", "untrack", "misroute")),
-        ("misroute Release", "untrack"), 10,
+        Scope(
+            pinner_ranks=2,
+            accessor_ranks=2,
+            depth=10,
+            rates=(1.0, 1.0),
+            without=_only("grant", "track", "deliver", "untrack", "misroute"),
+        ),
+        ("misroute Release", "untrack"),
+        10,
     ),
     "unbound-ack": (
-        Scope(leases=2, depth=15, rates=(1.0, 1.0),
-              without=_only("grant", "track", "deliver", "disconnect", "release")),
-        ("disconnect", "HeartbeatAck(seq=2"), 15,
+        Scope(
+            leases=2, depth=15, rates=(1.0, 1.0), without=_only("grant", "track", "deliver", "disconnect", "release")
+        ),
+        ("disconnect", "HeartbeatAck(seq=2"),
+        15,
     ),
     "retry-failed-transfer": (
         Scope(depth=11, without=_only("grant", "track", "deliver", "begin", "fail", "finish")),
-        ("access_failed k1 on decode-0.0 (landed)",), 10,
+        ("access_failed k1 on decode-0.0 (landed)",),
+        10,
     ),
     "renew-at-expiry": (
         Scope(depth=8, without=_only("grant", "track", "deliver", "advance")),
-        ("advance real time", "deliver Heartbeat"), 8,
+        ("advance real time", "deliver Heartbeat"),
+        8,
     ),
     "no-margin": (
         Scope(depth=9, without=_only("grant", "track", "deliver", "advance")),
-        ("deliver HeartbeatAck",), 9,
+        ("deliver HeartbeatAck",),
+        9,
     ),
 }
 
@@ -100,8 +130,10 @@ def test_fixed_core_has_no_violation_in_the_ci_scope() -> None:
         assert result.violation is None, (scope, result.violation)
         assert not result.truncated
         assert result.depth_reached == scope.depth or result.exhausted
-        print(f"\n{scope.pinner_ranks}x{scope.accessor_ranks} kinds={scope.kinds} depth={scope.depth}: "
-              f"{result.states:,} states, {result.transitions:,} transitions")
+        print(
+            f"\n{scope.pinner_ranks}x{scope.accessor_ranks} kinds={scope.kinds} depth={scope.depth}: "
+            f"{result.states:,} states, {result.transitions:,} transitions"
+        )
         total += result.states
     wall = time.perf_counter() - t0
     print(f"CI scope: {total:,} states in {wall:.1f} s")
@@ -112,8 +144,13 @@ def test_fixed_core_has_no_violation_in_the_ci_scope() -> None:
 def test_unbound_handshake_late_duplicate_after_a_pinner_restart_is_found() -> None:
     """The sixth hole needs a pinner restart: a late duplicate of the OLD incarnation's handshake
     reply, accepted after the accessor re-handshook, drops the new incarnation's lease."""
-    scope = Scope(leases=2, depth=10, restarts=1, rates=(1.0, 1.0),
-                  without=_only("grant", "track", "deliver", "dup", "release", "restart"))
+    scope = Scope(
+        leases=2,
+        depth=10,
+        restarts=1,
+        rates=(1.0, 1.0),
+        without=_only("grant", "track", "deliver", "dup", "release", "restart"),
+    )
     pinner_cls, accessor_cls, hole = CHECK_BUGS["unbound-handshake"]
     t0 = time.perf_counter()
     cx = explore(scope, pinner_cls, accessor_cls).violation
@@ -144,10 +181,21 @@ def test_violation_becomes_a_vector_the_conformance_runner_replays(tmp_path: Pat
 
 def test_cli_writes_the_candidate_and_conformance_replays_it(tmp_path: Path) -> None:
     runner = CliRunner()
-    res = runner.invoke(main, [
-        "check", "--inject-bug", "renew-at-expiry", "--depth", "8", "--json", "--out", str(tmp_path),
-        "--without", "drop,dup,misroute,cross,replay,release,untrack,retrack,begin,finish,fail,disconnect",
-    ])
+    res = runner.invoke(
+        main,
+        [
+            "check",
+            "--inject-bug",
+            "renew-at-expiry",
+            "--depth",
+            "8",
+            "--json",
+            "--out",
+            str(tmp_path),
+            "--without",
+            "drop,dup,misroute,cross,replay,release,untrack,retrack,begin,finish,fail,disconnect",
+        ],
+    )
     assert res.exit_code == 1, res.output
     out = json.loads(res.output)
     assert out["violations"] == 1 and out["states"] > 0 and out["wall_s"] >= 0

@@ -19,8 +19,14 @@ def test_a_state_bound_truncates_and_says_so() -> None:
 
 
 def test_a_tiny_scope_is_exhausted() -> None:
-    result = explore(Scope(depth=30, without=frozenset({"advance", "drop", "cross", "dup", "misroute", "replay",
-                                                       "retrack", "fail", "disconnect"})))
+    result = explore(
+        Scope(
+            depth=30,
+            without=frozenset(
+                {"advance", "drop", "cross", "dup", "misroute", "replay", "retrack", "fail", "disconnect"}
+            ),
+        )
+    )
     assert result.exhausted and result.violation is None and result.states > 0
 
 
@@ -48,13 +54,22 @@ def test_the_campaign_reports_and_minimizes_a_broken_core() -> None:
 
     pinner_factory, accessor_factory = BUGS["renew-at-expiry"]
     seen: list[int] = []
-    report = campaign(range(0, 4), pinner_factory=pinner_factory, accessor_factory=accessor_factory,
-                      on_seed=lambda seed, result: seen.append(seed))
+    report = campaign(
+        range(0, 4),
+        pinner_factory=pinner_factory,
+        accessor_factory=accessor_factory,
+        on_seed=lambda seed, result: seen.append(seed),
+    )
     assert seen == [0, 1, 2, 3] and report.seeds == 4 and report.failures
     failure = report.failures[0]
     claim = failure.violations[0].claim
     assert report.by_claim[claim] >= 1
-    small = minimize(campaign_scenario(failure.seed), claim, pinner_factory=pinner_factory,
-                     accessor_factory=accessor_factory, budget=8)
+    small = minimize(
+        campaign_scenario(failure.seed),
+        claim,
+        pinner_factory=pinner_factory,
+        accessor_factory=accessor_factory,
+        budget=8,
+    )
     result = run_scenario(small, pinner_factory=pinner_factory, accessor_factory=accessor_factory)
     assert any(v.claim == claim for v in result.violations)

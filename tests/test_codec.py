@@ -63,7 +63,13 @@ T_MAX = 2**32  # MAX_TIME as an integer
 
 #: Wire type numbers, in the spec's order.
 TYPES: dict[type, int] = {
-    Handshake: 1, HandshakeReply: 2, Heartbeat: 3, HeartbeatAck: 4, AccessDone: 5, AccessDoneAck: 6, Release: 7,
+    Handshake: 1,
+    HandshakeReply: 2,
+    Heartbeat: 3,
+    HeartbeatAck: 4,
+    AccessDone: 5,
+    AccessDoneAck: 6,
+    Release: 7,
 }
 ID_LISTS = {"lease_ids", "unknown", "expired", "released", "completed"}
 TIME_FIELDS = {"t_send", "t_echo", "t_recv"}
@@ -115,7 +121,13 @@ IDS = st.one_of(
 OUTCOMES = st.sampled_from(AccessOutcome)
 
 VALID: dict[str, st.SearchStrategy[Any]] = {
-    "engine": ENGINES, "uint": U64, "ranks": RANKS, "mmb": MMB, "time": TIMES, "bool": st.booleans(), "ids": IDS,
+    "engine": ENGINES,
+    "uint": U64,
+    "ranks": RANKS,
+    "mmb": MMB,
+    "time": TIMES,
+    "bool": st.booleans(),
+    "ids": IDS,
     "outcome": OUTCOMES,
 }
 
@@ -179,15 +191,37 @@ def test_the_frame_is_the_fields_in_constructor_order(msg: Message) -> None:
     [
         Handshake("a", U64_MAX, MAX_RANKS, U64_MAX, U64_MAX, U64_MAX, U64_MAX, LocalTime(-MAX_TIME)),
         HandshakeReply(
-            "p" * MAX_ENGINE_ID_BYTES, 0, 1, 0, 0, 0, 1, 0, 0, 0, PeerTime(MAX_TIME), PeerTime(-MAX_TIME),
+            "p" * MAX_ENGINE_ID_BYTES,
+            0,
+            1,
+            0,
+            0,
+            0,
+            1,
+            0,
+            0,
+            0,
+            PeerTime(MAX_TIME),
+            PeerTime(-MAX_TIME),
             PeerTime(0.0),
         ),
         HandshakeReply("p", 1, MAX_RANKS, 2, 3, 4, U64_MAX, 5, U64_MAX, 6, PeerTime(1.0), PeerTime(2.0), PeerTime(3.0)),
         Heartbeat("d", 65535, MAX_RANKS, U64_MAX, U64_MAX, U64_MAX, LocalTime(MAX_TIME), (0, 1, U64_MAX)),
         Heartbeat("d", 0, 1, 0, 0, 0, LocalTime(0.0), ()),
         HeartbeatAck(
-            "p", U64_MAX, U64_MAX, U64_MAX, U64_MAX, U64_MAX, PeerTime(-MAX_TIME), PeerTime(MAX_TIME), U64_MAX,
-            (0,), (1,), (U64_MAX - 1,), (U64_MAX,),
+            "p",
+            U64_MAX,
+            U64_MAX,
+            U64_MAX,
+            U64_MAX,
+            U64_MAX,
+            PeerTime(-MAX_TIME),
+            PeerTime(MAX_TIME),
+            U64_MAX,
+            (0,),
+            (1,),
+            (U64_MAX - 1,),
+            (U64_MAX,),
         ),
         AccessDone("d", 0, MAX_RANKS, U64_MAX, 0, U64_MAX, U64_MAX, True, LocalTime(MAX_TIME)),
         AccessDoneAck("p", 0, 0, 65535, U64_MAX, U64_MAX, 0, AccessOutcome.UNKNOWN),
@@ -225,10 +259,26 @@ PROBES: dict[str, st.SearchStrategy[Any]] = {
     ),
     "mmb": st.sampled_from([0, 1, -1, U64_MAX, U64_MAX + 1, True, 2.0, None]),
     "time": st.one_of(
-        st.sampled_from([
-            math.nan, math.inf, -math.inf, MAX_TIME, -MAX_TIME, MAX_TIME + 1, -(MAX_TIME + 1),
-            math.nextafter(MAX_TIME, math.inf), T_MAX, T_MAX + 1, -T_MAX - 1, 2**63, 1e308, True, None, "1.0",
-        ]),
+        st.sampled_from(
+            [
+                math.nan,
+                math.inf,
+                -math.inf,
+                MAX_TIME,
+                -MAX_TIME,
+                MAX_TIME + 1,
+                -(MAX_TIME + 1),
+                math.nextafter(MAX_TIME, math.inf),
+                T_MAX,
+                T_MAX + 1,
+                -T_MAX - 1,
+                2**63,
+                1e308,
+                True,
+                None,
+                "1.0",
+            ]
+        ),
         st.floats(),
         st.integers(-(2**33), 2**33),
     ),
@@ -559,8 +609,12 @@ def _cost(chunk: Sequence[int]) -> int:
 
 
 SORTED_IDS = st.lists(
-    st.one_of(st.integers(0, 300), st.integers(0, U64_MAX), st.integers(2**32 - 300, 2**32 + 300),
-              st.integers(U64_MAX - 300, U64_MAX)),
+    st.one_of(
+        st.integers(0, 300),
+        st.integers(0, U64_MAX),
+        st.integers(2**32 - 300, 2**32 + 300),
+        st.integers(U64_MAX - 300, U64_MAX),
+    ),
     unique=True,
     max_size=400,
 ).map(lambda v: tuple(sorted(v)))
@@ -592,8 +646,16 @@ def test_heartbeat_id_budget_formula() -> None:
 
 
 #: How an ack may spread a chunk's ids over its lists (renewed ids are only counted).
-ACK_SHAPES = ["round-robin", "all-renewed", "all-unknown", "all-expired", "all-released", "all-completed",
-              "alternate-unknown-renewed", "first-alone"]
+ACK_SHAPES = [
+    "round-robin",
+    "all-renewed",
+    "all-unknown",
+    "all-expired",
+    "all-released",
+    "all-completed",
+    "alternate-unknown-renewed",
+    "first-alone",
+]
 
 
 def _worst_heartbeat(acc: str, chunk: tuple[int, ...]) -> Heartbeat:
@@ -603,8 +665,16 @@ def _worst_heartbeat(acc: str, chunk: tuple[int, ...]) -> Heartbeat:
 def _worst_ack(pin: str, chunk: tuple[int, ...], lists: list[list[int]]) -> HeartbeatAck:
     listed = sum(len(v) for v in lists)
     return HeartbeatAck(
-        pin, MAX_RANKS - 1, U64_MAX, MAX_RANKS - 1, U64_MAX, U64_MAX, PeerTime(MAX_TIME), PeerTime(-MAX_TIME),
-        len(chunk) - listed, *(tuple(v) for v in lists),
+        pin,
+        MAX_RANKS - 1,
+        U64_MAX,
+        MAX_RANKS - 1,
+        U64_MAX,
+        U64_MAX,
+        PeerTime(MAX_TIME),
+        PeerTime(-MAX_TIME),
+        len(chunk) - listed,
+        *(tuple(v) for v in lists),
     )
 
 
@@ -637,8 +707,13 @@ def _spread(chunk: tuple[int, ...], shape: str | list[int]) -> list[list[int]]:
     st.one_of(st.sampled_from(ACK_SHAPES), st.lists(st.integers(0, 4), min_size=1, max_size=9)),
 )
 @example(tuple(range(0, 4000, 3)), "d", "p", MIN_MESSAGE_BYTES, "round-robin")
-@example(tuple(range(1, 10_001, 3)) + tuple(range(2**40, 2**40 + 7000 * 1_000_003, 1_000_003)), "decode-0",
-         "prefill-0", 256, "round-robin")
+@example(
+    tuple(range(1, 10_001, 3)) + tuple(range(2**40, 2**40 + 7000 * 1_000_003, 1_000_003)),
+    "decode-0",
+    "prefill-0",
+    256,
+    "round-robin",
+)
 @example(tuple(i * 129 for i in range(1, 600)), "d", "p", MIN_MESSAGE_BYTES, "round-robin")  # 2-byte gaps -> 3
 @example(tuple(2**16 - 200 + i * 70 for i in range(400)), "d", "p", 300, "round-robin")
 def test_heartbeat_chunks_and_the_worst_ack_fit_max_message_bytes(

@@ -147,9 +147,23 @@ class Wire:
 
 
 def _ack(hb: Heartbeat, t: float, renewed: int, **lists: tuple[int, ...]) -> HeartbeatAck:
-    """The pinner's (rank 0) ack of `hb`, addressed to its sender, built by hand."""
+    """The pinner's (rank 0) ack of `hb`, addressed to its sender, built by hand; `lists` are
+    any of its id lists (unknown, expired, released, completed)."""
+    assert set(lists) <= {"unknown", "expired", "released", "completed"}, lists
     return HeartbeatAck(
-        PIN, 0, INC, hb.rank, hb.session, hb.seq, PeerTime(hb.t_send), _p(t), renewed, **lists  # type: ignore[arg-type]
+        PIN,
+        0,
+        INC,
+        hb.rank,
+        hb.session,
+        hb.seq,
+        PeerTime(hb.t_send),
+        PeerTime(_p(t)),  # the pinner's clock, as the accessor sees it
+        renewed,
+        unknown=lists.get("unknown", ()),
+        expired=lists.get("expired", ()),
+        released=lists.get("released", ()),
+        completed=lists.get("completed", ()),
     )
 
 
@@ -203,9 +217,19 @@ def test_track_on_a_connected_engine_heartbeats_the_new_id_at_once() -> None:
 
 def _reply_fields(hs: Handshake) -> dict[str, object]:
     return {
-        "engine_id": PIN, "rank": 0, "ranks": 1, "incarnation": INC, "version": PROTOCOL_VERSION,
-        "capabilities": 7, "max_message_bytes": 1024, "to_rank": hs.rank, "to_session": hs.session, "seq": hs.seq,
-        "t_echo": PeerTime(hs.t_send), "t_recv": PeerTime(P_EPOCH), "t_send": PeerTime(P_EPOCH),
+        "engine_id": PIN,
+        "rank": 0,
+        "ranks": 1,
+        "incarnation": INC,
+        "version": PROTOCOL_VERSION,
+        "capabilities": 7,
+        "max_message_bytes": 1024,
+        "to_rank": hs.rank,
+        "to_session": hs.session,
+        "seq": hs.seq,
+        "t_echo": PeerTime(hs.t_send),
+        "t_recv": PeerTime(P_EPOCH),
+        "t_send": PeerTime(P_EPOCH),
     }
 
 
@@ -586,8 +610,11 @@ def test_tickets_below_the_forgotten_watermark_are_lost_as_forgotten() -> None:
         with pytest.raises(LocalProtocolError, match="fresh lease"):
             acc.track(_a(1), f"again{lid}", LeaseTicket(PIN, INC, lid))
     # Above the watermark, or of another incarnation or engine: tracked.
-    for key, tk in (("n6", LeaseTicket(PIN, INC, 6)), ("n1", LeaseTicket(PIN, INC + 1, 1)),
-                    ("o1", LeaseTicket("prefill-1", INC, 1))):
+    for key, tk in (
+        ("n6", LeaseTicket(PIN, INC, 6)),
+        ("n1", LeaseTicket(PIN, INC + 1, 1)),
+        ("o1", LeaseTicket("prefill-1", INC, 1)),
+    ):
         acc.track(_a(1), key, tk)
         assert acc.state_of(key) is TrackedState.WAITING
 
@@ -1050,8 +1077,12 @@ def test_fixed_ttl_validity_never_outlives_the_pinner_deadline(
     rng = random.Random(seed)
     prof = LinkProfile(0.0, 0.3, drop=0.3, duplicate=0.2) if lossy else LinkProfile(0.0, 0.05)
     pair = Pair(
-        cfg, rng, pinner_clock=PeerClock.random(rng, drift), accessor_clock=PeerClock.random(rng, drift),
-        to_pinner=prof, to_accessor=prof,
+        cfg,
+        rng,
+        pinner_clock=PeerClock.random(rng, drift),
+        accessor_clock=PeerClock.random(rng, drift),
+        to_pinner=prof,
+        to_accessor=prof,
     )
     keys = []
     for i, dt in enumerate(waits):

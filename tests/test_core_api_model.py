@@ -216,8 +216,10 @@ class ApiModel(RuleBasedStateMachine):
         if self.mesh.accessors[engine, r].state_of(key) is TrackedState.WAITING:
             self.mesh.begin_access(engine, r, key)
 
-    @rule(i=st.integers(0, 1000), how=st.sampled_from(["notified", "plain", "landed-failed", "posted-failed",
-                                                      "unposted-failed"]))
+    @rule(
+        i=st.integers(0, 1000),
+        how=st.sampled_from(["notified", "plain", "landed-failed", "posted-failed", "unposted-failed"]),
+    )
     def end_access(self, i: int, how: str) -> None:
         open_ = sorted(self.mesh.accesses)
         if not open_:
@@ -384,8 +386,12 @@ class _LayoutBlindPinner(Pinner):
 _NOISE = ("drop", "duplicate", "replay", "disconnect", "pinner_release", "retrack", "hold")
 
 BROKEN: dict[str, tuple[type[Pinner], type[Accessor], tuple[tuple[int, int], ...], tuple[str, ...]]] = {
-    "retrack": (Pinner, _RetrackingAccessor, ((1, 1),), ("drop", "duplicate", "replay", "disconnect",
-                                                         "pinner_release", "hold", "advance")),
+    "retrack": (
+        Pinner,
+        _RetrackingAccessor,
+        ((1, 1),),
+        ("drop", "duplicate", "replay", "disconnect", "pinner_release", "hold", "advance"),
+    ),
     "unbound-replies": (Pinner, _UnboundAccessor, ((1, 2), (2, 2)), ("drop", "pinner_release", "retrack")),
     "retry-after-failed-transfer": (Pinner, _RetryingAccessor, ((1, 1),), (*_NOISE, "advance", "deliver_now")),
     "layout-blind-pinner": (_LayoutBlindPinner, Accessor, ((2, 2), (4, 2)), ("pinner_release", "retrack")),
@@ -432,8 +438,12 @@ def test_events_of_the_model_are_real() -> None:
     """A fault-free two-rank run completes reads (the model exercises the happy path too)."""
     cfg = LeaseConfig(kv_lease_duration=1.2, max_access_time=0.1)
     mesh = Mesh(
-        cfg, random.Random(1), pinner_ranks=2, accessor_engines={"decode-0": 2},
-        pinner_clock=PeerClock(5e4, 1.0), accessor_clocks={"decode-0": PeerClock(9e4, 1.0)},
+        cfg,
+        random.Random(1),
+        pinner_ranks=2,
+        accessor_engines={"decode-0": 2},
+        pinner_clock=PeerClock(5e4, 1.0),
+        accessor_clocks={"decode-0": PeerClock(9e4, 1.0)},
         delay=(0.0, 0.01),
     )
     ticket = mesh.grant("req-1")

@@ -275,7 +275,12 @@ def test_heartbeat_in_every_state(state: str, dup: int) -> None:
     for i in range(dup):
         ack = _only_ack(p.receive(now, _hb((lid,), seq=7, at=123.5)))
         assert (ack.engine_id, ack.rank, ack.incarnation, ack.seq, ack.t_echo, ack.t_recv) == (
-            "prefill-0", 0, INC, 7, PeerTime(123.5), PeerTime(now)  # the pinner's clock, as the peer sees it
+            "prefill-0",
+            0,
+            INC,
+            7,
+            PeerTime(123.5),
+            PeerTime(now),  # the pinner's clock, as the peer sees it
         )
         assert _ack_fields(ack, lid) == HB_EXPECT[state], i
     after = p.info(lid)
@@ -398,7 +403,11 @@ def test_handshake_reply_and_version_mismatch() -> None:
     reply = send.message
     assert isinstance(reply, HandshakeReply)
     assert (reply.engine_id, reply.rank, reply.ranks, reply.incarnation, reply.max_message_bytes) == (
-        "prefill-0", 1, 2, INC, CFG.max_message_bytes
+        "prefill-0",
+        1,
+        2,
+        INC,
+        CFG.max_message_bytes,
     )
     assert (reply.version, reply.to_rank, reply.to_session, reply.seq) == (PROTOCOL_VERSION, 3, SES, 17)
     assert (reply.t_echo, reply.t_recv, reply.t_send) == (55.0, T0 + 1, T0 + 1)
@@ -930,8 +939,14 @@ def test_grant_with_explicit_id_and_fixed_ticket() -> None:
 
 @pytest.mark.parametrize(
     ("args", "kwargs"),
-    [(("", 1), {}), (("e", -1), {}), (("e", 1 << 64), {}), (("e", 1), {"rank": 2, "ranks": 2}),
-     (("e", 1), {"ranks": 0}), (("e", 1), {"ranks": (1 << 16) + 1})],
+    [
+        (("", 1), {}),
+        (("e", -1), {}),
+        (("e", 1 << 64), {}),
+        (("e", 1), {"rank": 2, "ranks": 2}),
+        (("e", 1), {"ranks": 0}),
+        (("e", 1), {"ranks": (1 << 16) + 1}),
+    ],
 )
 def test_constructor_misuse(args: tuple[str, int], kwargs: Layout) -> None:
     with pytest.raises(LocalProtocolError):
@@ -968,8 +983,11 @@ def test_counters() -> None:
 
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["grant", "push", "fixed", "hb", "release", "done", "tick"]), st.floats(0, 3),
-                  st.integers(0, 40)),
+        st.tuples(
+            st.sampled_from(["grant", "push", "fixed", "hb", "release", "done", "tick"]),
+            st.floats(0, 3),
+            st.integers(0, 40),
+        ),
         max_size=80,
     )
 )

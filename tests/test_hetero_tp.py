@@ -44,10 +44,19 @@ def _engine(engine_id: str, role: str, ranks: int, **extra: Any) -> list[Agent]:
     workers: list[Agent] = []
     try:
         for rank in range(ranks):
-            workers.append(Agent({
-                "engine_id": engine_id, "role": role, "rank": rank, "ranks": ranks,
-                "incarnation": incarnation, "lease": TEST_LEASE, **extra,
-            }))
+            workers.append(
+                Agent(
+                    {
+                        "engine_id": engine_id,
+                        "role": role,
+                        "rank": rank,
+                        "ranks": ranks,
+                        "incarnation": incarnation,
+                        "lease": TEST_LEASE,
+                        **extra,
+                    }
+                )
+            )
         if role == "pinner":
             # Rank 0 tells accessors where every worker listens (its handshake reply).
             workers[0].request("workers", "workers", addresses=[w.address for w in workers])
@@ -111,8 +120,10 @@ def test_pinner_tp2_heartbeats_fan_out_and_each_worker_frees_once_on_its_access_
     done = d.wait_for(lambda e: e["ev"] in ("AccessCompleted", "AccessStale", "TransferFailed"), 10)
     free0 = pinners[0].wait_for(lambda e: e["ev"] == "Free" and e["key"] == "k", 5)
     free1 = pinners[1].wait_for(lambda e: e["ev"] == "Free" and e["key"] == "k", 5)
-    print(f"\nP TP2 / D TP1: the access completed {done['t'] - resumed['t']:.3f} s after worker 1 resumed; "
-          f"workers freed {free0['t'] - resumed['t']:.3f} / {free1['t'] - resumed['t']:.3f} s after it")
+    print(
+        f"\nP TP2 / D TP1: the access completed {done['t'] - resumed['t']:.3f} s after worker 1 resumed; "
+        f"workers freed {free0['t'] - resumed['t']:.3f} / {free1['t'] - resumed['t']:.3f} s after it"
+    )
     assert done["ev"] == "AccessCompleted", done
     # Complete only once both READs landed: after worker 1 resumed, with both shards.
     assert done["t"] >= resumed["t"]
@@ -144,8 +155,10 @@ def test_pinner_tp2_accessor_killed_frees_on_every_worker_within_the_bound(
         free = p.wait_for(lambda e: e["ev"] == "Free" and e["key"] == "dead", EXT + IVL + 10)
         last_hb = max(e["t"] for e in p.find(lambda e: e["ev"] == "hb" and e["t"] <= killed + 0.05))
         delay = free["t"] - last_hb
-        print(f"\naccessor SIGKILL: pinner worker {rank} freed {delay:.3f} s after the last heartbeat it heard "
-              f"(bound extension + interval + slack = {EXT + IVL + SLACK:.3f} s)")
+        print(
+            f"\naccessor SIGKILL: pinner worker {rank} freed {delay:.3f} s after the last heartbeat it heard "
+            f"(bound extension + interval + slack = {EXT + IVL + SLACK:.3f} s)"
+        )
         assert free["reason"] == "expired"
         assert EXT - 0.05 <= delay <= EXT + IVL + SLACK
     for p in pinners:

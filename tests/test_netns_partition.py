@@ -81,8 +81,10 @@ def test_partition_expires_and_frees_then_heal_serves_new_requests(two_hosts: tu
         lost = d.wait_for(lambda e: e["ev"] == "LeaseLost" and e["key"] == "part", 15)
         last_hb = max(e["t"] for e in p.find(lambda e: e["ev"] == "hb"))
         bound = CFG.lease_extension + CFG.heartbeat_interval + SLACK
-        print(f"\npartition: pinner freed {free['t'] - last_hb:.3f} s after the last heartbeat (bound "
-              f"{bound:.3f} s); accessor reported lost {lost['t'] - cut:.3f} s after the cut ({lost['reason']})")
+        print(
+            f"\npartition: pinner freed {free['t'] - last_hb:.3f} s after the last heartbeat (bound "
+            f"{bound:.3f} s); accessor reported lost {lost['t'] - cut:.3f} s after the cut ({lost['reason']})"
+        )
         assert free["reason"] == "expired"
         assert free["t"] - last_hb <= bound
         assert lost["t"] - cut <= CFG.kv_lease_duration + SLACK
@@ -98,8 +100,12 @@ def test_partition_expires_and_frees_then_heal_serves_new_requests(two_hosts: tu
                 break
             time.sleep(0.1)
         assert r["allowed"], r
-        done = d.wait_for(lambda e: e["ev"] in ("AccessCompleted", "AccessStale", "TransferFailed", "LeaseLost")
-                          and e["key"] == "after", 20)
+        done = d.wait_for(
+            lambda e: (
+                e["ev"] in ("AccessCompleted", "AccessStale", "TransferFailed", "LeaseLost") and e["key"] == "after"
+            ),
+            20,
+        )
         assert done["ev"] == "AccessCompleted", done
         assert done["values"] == [0x42]
         print(f"heal: new request served {done['t'] - cut:.3f} s after the cut")

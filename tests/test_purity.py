@@ -68,7 +68,10 @@ def test_probe_can_fail() -> None:
     """The same probe flags a module that does import a forbidden one."""
     res = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(["kvlease", "selectors"])],
-        capture_output=True, text=True, check=True, timeout=120,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     assert any(_is_forbidden(m) for m in json.loads(res.stdout))
 

@@ -57,8 +57,6 @@ def test_a_lease_granted_for_a_known_accessor_has_no_unbound_window() -> None:
         p.close()
 
 
-
-
 @pytest.mark.slow
 def test_a_side_channel_hello_cannot_hijack_another_engines_acks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Keyed P and D over NIXL: a bare hello naming engine D with the attacker's own agent used

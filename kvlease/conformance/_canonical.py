@@ -93,8 +93,11 @@ def output_to_json(o: Output, *, annotate: bool = False) -> JSONDict:
             return {"type": "HandshakeNeeded", "engine_id": o.engine_id, **wire(o.message)}
         case Free():
             return {
-                "type": "Free", "lease_id": o.lease_id, "key": o.key,
-                "reason": o.reason.value, "at": float(o.at),
+                "type": "Free",
+                "lease_id": o.lease_id,
+                "key": o.key,
+                "reason": o.reason.value,
+                "at": float(o.at),
             }
         case Rejected():
             return {"type": "Rejected", "engine_id": o.engine_id, "reason_text": o.reason}
@@ -102,7 +105,9 @@ def output_to_json(o: Output, *, annotate: bool = False) -> JSONDict:
             return {"type": "LeaseLost", "key": o.key, "lease_id": o.lease_id, "reason": o.reason.value}
         case AccessCompleted():
             return {
-                "type": "AccessCompleted", "key": o.key, "lease_id": o.lease_id,
+                "type": "AccessCompleted",
+                "key": o.key,
+                "lease_id": o.lease_id,
                 "confirmed_by_pinner": o.confirmed_by_pinner,
             }
         case AccessStale():

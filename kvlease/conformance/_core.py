@@ -132,14 +132,17 @@ class CoreImplementation:
             "next_deadline": None if nd is None else float(nd),
         }
 
-    def _pinner_step(
-        self, p: Pinner, now: LocalTime, op: str, args: dict[str, Any]
-    ) -> tuple[JSON, tuple[Output, ...]]:
+    def _pinner_step(self, p: Pinner, now: LocalTime, op: str, args: dict[str, Any]) -> tuple[JSON, tuple[Output, ...]]:
         if op == "grant":
             ticket = p.grant(
-                now, _str(args, "key"), kind=LeaseKind(_int(args, "kind", 0)),
-                push=bool(args.get("push", False)), expected=args.get("expected"),
-                ttl=args.get("ttl"), lease_id=args.get("lease_id"), accessor=args.get("accessor"),
+                now,
+                _str(args, "key"),
+                kind=LeaseKind(_int(args, "kind", 0)),
+                push=bool(args.get("push", False)),
+                expected=args.get("expected"),
+                ttl=args.get("ttl"),
+                lease_id=args.get("lease_id"),
+                accessor=args.get("accessor"),
             )
             result: JSON = dict(ticket.to_dict())
             return result, ()

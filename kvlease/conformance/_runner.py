@@ -106,8 +106,10 @@ def _run_trace(name: str, desc: str, vector: JSONDict, impl: Implementation) -> 
     steps = steps if isinstance(steps, list) else []
     total = len(steps)
     setup: JSONDict = {
-        "cmd": "setup", "vector": name,
-        "config": vector.get("config"), "endpoints": vector.get("endpoints"),
+        "cmd": "setup",
+        "vector": name,
+        "config": vector.get("config"),
+        "endpoints": vector.get("endpoints"),
     }
     resp = _call(impl, setup)
     if isinstance(resp, str) or resp.get("ok") is not True:
@@ -120,8 +122,11 @@ def _run_trace(name: str, desc: str, vector: JSONDict, impl: Implementation) -> 
             mm = Mismatch(name, i, f"step {i}", "malformed step in the vector", None, None, None)
             return VectorResult(name, "trace", desc, i, total, mm)
         request: JSONDict = {
-            "cmd": "step", "endpoint": step.get("endpoint"), "now": step.get("now"),
-            "op": step.get("op"), "args": step.get("args", {}),
+            "cmd": "step",
+            "endpoint": step.get("endpoint"),
+            "now": step.get("now"),
+            "op": step.get("op"),
+            "args": step.get("args", {}),
         }
         expected = step.get("expect")
         label = f"step {i} ({step.get('endpoint')} {step.get('op')} at now={step.get('now')})"
