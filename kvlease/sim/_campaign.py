@@ -27,7 +27,9 @@ from typing import Any
 import attrs
 
 from .._config import LeaseConfig
-from ._cluster import AccessorFactory, Cluster, PinnerFactory, RunResult, Violation
+from ._cluster import Cluster
+from ._kernel import AccessorFactory, PinnerFactory
+from ._results import RunResult, Violation
 from ._scenario import Policy, Scenario, campaign_scenario
 from ._vector import build_vector
 
@@ -70,8 +72,12 @@ def run_scenario(
     trace: bool = False,
 ) -> RunResult:
     cluster = Cluster(
-        scenario, Policy.KVLEASE, pinner_factory=pinner_factory, accessor_factory=accessor_factory,
-        check=True, trace=trace,
+        scenario,
+        Policy.KVLEASE,
+        pinner_factory=pinner_factory,
+        accessor_factory=accessor_factory,
+        check=True,
+        trace=trace,
     )
     return cluster.run()
 
@@ -191,9 +197,21 @@ def relevant_trace(result: RunResult, violation: Violation) -> list[tuple[float,
         if what == "track" and key_re is not None and key_re.search(detail):
             engines.add(who.split(".")[0])
     faults = {
-        "crash", "restart", "partition", "heal", "stall", "edge-stall",
+        "crash",
+        "restart",
+        "partition",
+        "heal",
+        "stall",
+        "edge-stall",
         # API-level adversity (`ApiSpec`)
-        "disconnect", "retrack", "abort", "misroute", "hold", "exact_end", "post_failed", "transfer_failed",
+        "disconnect",
+        "retrack",
+        "abort",
+        "misroute",
+        "hold",
+        "exact_end",
+        "post_failed",
+        "transfer_failed",
     }
     start = 0.0
     for t, _who, what, detail in trace:
@@ -228,8 +246,12 @@ def record_vector(
     expectations are the reference core's (see `kvlease.sim._vector`). None if the rerun
     does not violate `claim`."""
     cluster = Cluster(
-        scenario, Policy.KVLEASE, pinner_factory=pinner_factory, accessor_factory=accessor_factory,
-        check=True, record=True,
+        scenario,
+        Policy.KVLEASE,
+        pinner_factory=pinner_factory,
+        accessor_factory=accessor_factory,
+        check=True,
+        record=True,
     )
     result = cluster.run()
     violation = next((v for v in result.violations if v.claim == claim), None)

@@ -22,7 +22,7 @@ from .._config import MIN_VALIDITY_MARGIN, LeaseConfig
 from .._events import AccessorOutput, PinnerOutput
 from .._messages import AccessDone, AccessDoneAck, HandshakeReply, Heartbeat, HeartbeatAck, Message, Release
 from .._pinner import LeaseState, Pinner, _Lease
-from ._cluster import AccessorFactory, PinnerFactory
+from ._kernel import AccessorFactory, PinnerFactory
 
 __all__ = [
     "BUGS",
@@ -134,7 +134,13 @@ class NoBindingPinner(Pinner):
         return False
 
     def _renew(
-        self, now: LocalTime, incarnation: int, lease_ids: Iterable[int], engine_id: str, rank: int, session: int,
+        self,
+        now: LocalTime,
+        incarnation: int,
+        lease_ids: Iterable[int],
+        engine_id: str,
+        rank: int,
+        session: int,
         seq: int | None,
     ) -> tuple[int, list[int], list[int], list[int], list[int], int]:
         ids = list(lease_ids)

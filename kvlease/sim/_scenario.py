@@ -224,8 +224,7 @@ class Scenario:
             workload=WorkloadSpec(**wl),
             network=NetworkSpec(**d["network"]),
             faults=tuple(
-                Fault(FaultKind(f["kind"]), f["at"], f["duration"], f["engine"], f.get("peer", ""))
-                for f in d["faults"]
+                Fault(FaultKind(f["kind"]), f["at"], f["duration"], f["engine"], f.get("peer", "")) for f in d["faults"]
             ),
             config=LeaseConfig(**d["config"]),
             drift=float(d["drift"]),
