@@ -23,7 +23,7 @@ with their ratio (MAC / no MAC):
 
 Target (the authentication issue): under 10 % on the step (judged here on the mean step time of
 each side, which includes the heartbeat rounds). This is a benchmark: it prints figures and
-whether the target is met; it asserts nothing. Default run about 30 s (``--quick``: about 10 s).
+whether the target is met; it asserts nothing. Run time: about 30 s (``--quick``: about 10 s).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ parameter (one varied at a time from a base scope), on the fixed core.
 Base scope: p = a = 1, one accessor engine, one renewable lease, every action family but drop
 and cross-engine misdelivery, all four clock-rate extremes. Prints one table row per scope:
 states, transitions, wall time, states/s, and the growth factor against the row above. It
-asserts nothing. Default run about 3 minutes (``--quick``: about 40 s).
+asserts nothing. Run time: about 3 minutes (``--quick``: about 40 s).
 """
 
 from __future__ import annotations

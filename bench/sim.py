@@ -14,6 +14,7 @@ seed), so only the wall time varies.
 
 Target (issue 5): >= 100k events/s. This is a benchmark: it prints figures, it asserts nothing.
 Run: ``.venv/bin/python bench/sim.py [--quick] [--json] [--repeat N]``.
+Run time: about 30 s (``--quick``: about 12 s).
 """
 
 from __future__ import annotations

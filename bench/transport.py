@@ -13,6 +13,7 @@ Measures, on loopback TCP:
   rounds (every 0.5 s: ~10 chunked heartbeats and acks) are included in the mean.
 
 The NIXL transport is benchmarked separately (bench/transport_nixl.py).
+Run time: about 15 s (``--quick``: about 5 s).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ This module measures nothing itself and never asserts on speed.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -46,13 +47,37 @@ def _summary(path: Path) -> str:
     return ""
 
 
+_RUN_TIME = re.compile(r"Run time:\s*(.+?)\.(?:\s|$)", re.S)
+
+
+def _run_time(path: Path) -> str:
+    """What the script's docstring says it takes (its ``Run time: ...`` sentence)."""
+    m = _RUN_TIME.search(path.read_text(encoding="utf-8", errors="replace"))
+    return " ".join(m.group(1).replace("``", "").split()) if m else "not stated"
+
+
+class _BenchCommand(click.Command):
+    """`--help` ends with the benchmarks found and roughly how long each runs."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        try:
+            found = _scripts(_bench_dir(None))
+        except click.UsageError as exc:
+            rows = [("(none)", exc.format_message())]
+        else:
+            rows = [(name, f"{_run_time(path)} — {_summary(path)}") for name, path in found.items()]
+        with formatter.section("Benchmarks (run time, then what it measures)"):
+            formatter.write_dl(rows)
+        super().format_epilog(ctx, formatter)
+
+
 def _quick_args(name: str, path: Path) -> list[str] | None:
     if name in _QUICK_ARGS:
         return _QUICK_ARGS[name]
     return ["--quick"] if "--quick" in path.read_text(encoding="utf-8", errors="replace") else None
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
+@click.command(cls=_BenchCommand, context_settings={"ignore_unknown_options": True})
 @click.argument("names", nargs=-1)
 @click.option("--list", "list_only", is_flag=True, help="List the benchmarks found and exit.")
 @click.option("--quick", is_flag=True, help="Pass each script's smoke-run option (fewer sizes/samples).")
@@ -65,13 +90,13 @@ def _quick_args(name: str, path: Path) -> list[str] | None:
 )
 @click.option("--arg", "extra", multiple=True, help="Extra argument passed to every script (repeatable).")
 def bench(names: tuple[str, ...], list_only: bool, quick: bool, directory: Path | None, extra: tuple[str, ...]) -> None:
-    """Run the benchmarks in bench/ (all, or the NAMES given: core, transport, auth, ...). They
-    print figures; none asserts on speed. auth (the MAC's cost against no MAC: per message, bytes
-    per heartbeat round, driver step at 10k leases) takes about 30 s, 10 s with --quick."""
+    """Run the benchmarks in bench/ (all, or the NAMES given). They print figures, with the
+    baseline they replace in the same run where there is one; none asserts on speed. Each
+    prints its own run time when it ends; roughly how long each takes is listed below."""
     found = _scripts(_bench_dir(directory))
     if list_only:
         for name, path in found.items():
-            click.echo(f"{name:16} {_summary(path)}")
+            click.echo(f"{name:16} {_summary(path)} (run time: {_run_time(path)})")
         return
     unknown = [n for n in names if n not in found]
     if unknown:
