@@ -5,6 +5,7 @@ README's test command runs first); without it the tests fail under CI and skip e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -102,9 +103,7 @@ class Rank:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.kill()
-            except OSError:
-                pass
             self.proc.wait(timeout=30)
         self._log.close()

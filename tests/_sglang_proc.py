@@ -13,6 +13,7 @@ before a NIXL WRITE is posted, ``slow_post``), by wrapping the NIXL agent's ``tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -113,8 +114,17 @@ def main() -> None:
         return real_transfer(handle, *args, **kwargs)
 
     mgr.agent.transfer = transfer
-    answer({"ok": True, "classes": classes, "manager": type(mgr).__name__, "engine_id": rt.engine_id if rt else None,
-            "rank_port": mgr.rank_port, "pid": os.getpid(), "startup_s": time.time() - t_start})
+    answer(
+        {
+            "ok": True,
+            "classes": classes,
+            "manager": type(mgr).__name__,
+            "engine_id": rt.engine_id if rt else None,
+            "rank_port": mgr.rank_port,
+            "pid": os.getpid(),
+            "startup_s": time.time() - t_start,
+        }
+    )
 
     def status_name(s: int) -> str:
         return {v: k for k, v in vars(KVPoll).items() if isinstance(v, int)}[s]
@@ -184,8 +194,14 @@ def main() -> None:
                     out[str(p)] = [sorted({int(x) for x in kv[layer][p].tolist()}) for layer in range(LAYERS)]
                 answer({"ok": True, "pages": out, "aux": sorted({int(x) for x in aux[cmd.get("aux", 0)].tolist()})})
             elif op == "expected":  # what the source pages hold (prefill's fill pattern)
-                answer({"ok": True, "pages": {str(p): [[(p * 7 + layer * 3 + 11) % 251] for layer in range(LAYERS)]
-                                              for p in cmd["pages"]}})
+                answer(
+                    {
+                        "ok": True,
+                        "pages": {
+                            str(p): [[(p * 7 + layer * 3 + 11) % 251] for layer in range(LAYERS)] for p in cmd["pages"]
+                        },
+                    }
+                )
             elif op == "canary":
                 for p in cmd["pages"]:
                     for t in kv:
@@ -198,16 +214,24 @@ def main() -> None:
                 answer({"ok": True, "posts": posts})
             elif op == "source_live":
                 answer({"ok": True, "live": bool(rt.source_live(cmd["room"]))})
-            elif op == "valid_until":
-                key = cmd["key"]
+            elif op == "validity":  # prefill: seconds of validity left on each destination lease
                 with rt._lock:
-                    vu = rt.accessor.valid_until(key)
                     now = rt.driver.now()
-                answer({"ok": True, "left": None if vu is None else vu - now, "keys": rt.dest_keys(cmd["room"])})
+                    left = {}
+                    for key in rt.dest_keys(cmd["room"]):
+                        vu = rt.accessor.valid_until(key)
+                        left[key] = None if vu is None else vu - now
+                answer({"ok": True, "left": left})
             elif op == "stats":
-                answer({"ok": True, "stats": {k: v for k, v in rt.stats.snapshot().items()},
-                        "writes_refused": rt.writes_refused, "rooms_failed": rt.rooms_failed,
-                        "dropped": rt.transport.dropped + getattr(mgr, "kvlease_dropped", 0)})
+                answer(
+                    {
+                        "ok": True,
+                        "stats": {k: v for k, v in rt.stats.snapshot().items()},
+                        "writes_refused": rt.writes_refused,
+                        "rooms_failed": rt.rooms_failed,
+                        "dropped": rt.transport.dropped + getattr(mgr, "kvlease_dropped", 0),
+                    }
+                )
             elif op == "metrics":
                 from prometheus_client import REGISTRY, generate_latest
 
@@ -226,6 +250,19 @@ def main() -> None:
                 import threading
 
                 answer({"ok": True, "threads": sorted(t.name for t in threading.enumerate())})
+            elif op == "discover":  # SGLang's plugin discovery under a given SGLANG_PLUGINS
+                from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+                saved = os.environ.get("SGLANG_PLUGINS")
+                os.environ["SGLANG_PLUGINS"] = cmd["allow"]
+                try:
+                    found = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+                finally:
+                    if saved is None:
+                        os.environ.pop("SGLANG_PLUGINS", None)
+                    else:
+                        os.environ["SGLANG_PLUGINS"] = saved
+                answer({"ok": True, "plugins": {k: f"{v[0].__module__}:{v[0].__name__}" for k, v in found.items()}})
             elif op == "exit":
                 answer({"ok": True})
                 break
@@ -234,10 +271,8 @@ def main() -> None:
         except Exception as exc:
             answer({"ok": False, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()})
     if server is not None:
-        try:
+        with contextlib.suppress(Exception):
             server.close()
-        except Exception:
-            pass
     os._exit(0)
 
 

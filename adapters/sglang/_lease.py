@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+from kvlease.transports import Driver, DriverEvent, TransferFailed, TransportStats, new_session
 
 from kvlease import (
     AccessCompleted,
@@ -37,7 +38,6 @@ from kvlease import (
     LocalTime,
     Pinner,
 )
-from kvlease.transports import Driver, DriverEvent, TransferFailed, TransportStats, new_session
 
 from ._settings import Settings
 from ._transport import SglangZmqTransport
@@ -329,6 +329,13 @@ class LeaseRuntime:
                     return f"{key}: the validity window does not cover the write"
             return None
 
+    def awaiting_first_ack(self, room: int) -> bool:
+        """Prefill: a destination lease of `room` is not here yet or has never been
+        acknowledged (its ticket or first heartbeat round is still on its way)."""
+        with self._lock:
+            keys = [k for k in self._tracked.get(room, set()) if k.startswith("d:")]
+            return not keys or any(self.accessor.valid_until(k) is None for k in keys)
+
     def begin_write(self, room: int) -> str | None:
         """Prefill, before the final chunk's first WRITE: begin the access on every destination
         lease (the push guard decides); None if all allowed, else why not (nothing started)."""
@@ -422,5 +429,5 @@ class LeaseRuntime:
 
     def now(self) -> LocalTime:
         with self._lock:
-            return self.driver.now()
-
+            now: LocalTime = self.driver.now()
+            return now

@@ -15,11 +15,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kvlease.transports.metrics import LeaseStatsCollector, start_http_server
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
-
-from kvlease.transports.metrics import LeaseStatsCollector, start_http_server
 
 from ._lease import LeaseRuntime
 

@@ -90,15 +90,19 @@ def _check_decode_release_settings(settings: Settings) -> None:
     timeout must outlast the longest a destination lease can take to end after a release."""
     if not envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get():
         raise ConfigError(
-            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE must be 1 with the kvlease destination-page "
-            "lease (the plugin sets it unless it is set to 0; or set SGLANG_KVLEASE_DEST_LEASE=0)"
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE",
+            "0",
+            "1 with the kvlease destination-page lease (the plugin sets it unless it is set; "
+            "or turn the lease off with SGLANG_KVLEASE_DEST_LEASE=0)",
         )
     bound = settings.config.lease_extension + settings.config.push_guard
     timeout = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
     if timeout <= bound:
         raise ConfigError(
-            f"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT={timeout:g} must exceed the lease's "
-            f"release bound E + G = {bound:g} s (SGLANG_KVLEASE_LEASE_DURATION, SGLANG_KVLEASE_MAX_ACCESS_TIME)"
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT",
+            timeout,
+            f"more than the lease's release bound E + G = {bound:g} s "
+            "(from SGLANG_KVLEASE_LEASE_DURATION and SGLANG_KVLEASE_MAX_ACCESS_TIME)",
         )
 
 
@@ -187,14 +191,15 @@ class LeaseNixlKVManager(NixlKVManager):  # type: ignore[misc]
         return super().transfer_worker(_GatedQueue(queue), staging_buffer, worker_index)
 
     def _gate(self, rt: LeaseRuntime, room: int, last: bool) -> str | None:
-        """None when the chunk's WRITEs may start. A destination lease whose first
-        acknowledgement is still on its way gets up to one heartbeat interval."""
+        """None when the chunk's WRITEs may start, else why not. Only a destination lease that
+        is not acknowledged yet (its ticket or first heartbeat round still on the way) is waited
+        for, up to one heartbeat interval; a lapsed window is refused at once."""
         deadline = time.monotonic() + rt.config.heartbeat_interval
-        while True:
-            reason = rt.begin_write(room) if last else rt.covered(room)
-            if reason is None or time.monotonic() >= deadline or self.check_status(room) == KVPoll.Failed:
-                return reason
+        while rt.awaiting_first_ack(room) and time.monotonic() < deadline:
+            if self.check_status(room) == KVPoll.Failed:
+                break
             time.sleep(0.005)
+        return rt.begin_write(room) if last else rt.covered(room)
 
     def _post_xfer(self, xfer_handle: Any, error_msg: str) -> None:
         rt = self._kvlease

@@ -40,9 +40,9 @@ def _float(name: str, raw: str) -> float:
     try:
         v = float(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r}: not a number") from None
+        raise ConfigError(name, raw, "a number") from None
     if not math.isfinite(v):
-        raise ConfigError(f"{name}={raw!r}: not finite")
+        raise ConfigError(name, raw, "a finite number")
     return v
 
 
@@ -51,7 +51,7 @@ def _flag(name: str, raw: str) -> bool:
         return True
     if raw.strip().lower() in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{name}={raw!r}: expected 1/0/true/false")
+    raise ConfigError(name, raw, "1/0/true/false")
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -71,15 +71,19 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             try:
                 port = int(raw)
             except ValueError:
-                raise ConfigError(f"{name}={raw!r}: not a port number") from None
+                raise ConfigError(name, raw, "a port number") from None
             if not 0 <= port < 65536:
-                raise ConfigError(f"{name}={raw!r}: not a port number")
+                raise ConfigError(name, raw, "a port number (0: off)")
             extra[field] = port
         else:
             fields[field] = _float(name, raw)
     try:
         config = LeaseConfig(**fields)  # type: ignore[arg-type]
     except ConfigError as exc:
-        names = [n for n, (f, _d) in ENV.items() if f in fields]
-        raise ConfigError(f"{', '.join(names) or 'SGLANG_KVLEASE_*'}: {exc}") from None
+        # Name the variable, not the LeaseConfig field (a derived-value error names the field).
+        var = next((n for n, (f, _d) in ENV.items() if f == exc.field), None)
+        if var is None:
+            var = ", ".join(n for n, (f, _d) in ENV.items() if f in fields) or "SGLANG_KVLEASE_*"
+            raise ConfigError(var, exc.value, f"{exc.allowed} ({exc.field})") from None
+        raise ConfigError(var, env.get(var), exc.allowed) from None
     return Settings(config=config, **extra)  # type: ignore[arg-type]

@@ -30,15 +30,16 @@ judges frames (binding, sessions, and the deployment key when one is configured)
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
-
 from kvlease.transports import (
     HandshakeEvent,
+    HandshakeFailed,
     HandshakeRequest,
     HandshakeResponse,
     Inbound,
@@ -228,8 +229,6 @@ class SglangZmqTransport:
             self.push(address, b"H", data, peer=engine_id)
         except PeerUnreachable as exc:
             self._hs_wanted.pop(engine_id, None)
-            from kvlease.transports import HandshakeFailed
-
             self._handshakes.append(HandshakeFailed(engine_id, exc.reason))
 
     def poll_handshakes(self) -> list[HandshakeEvent]:
@@ -242,10 +241,8 @@ class SglangZmqTransport:
             return
         engine_id, address = who
         self.learn(engine_id, address)  # the driver accepted it: acks may go there now
-        try:
+        with contextlib.suppress(PeerUnreachable):  # the accessor retries its handshake
             self.push(address, b"R", data, peer=engine_id)
-        except PeerUnreachable:
-            pass  # the accessor retries its handshake
 
     def reject_handshake(self, token: int) -> None:
         self._hs_tokens.pop(token, None)
@@ -274,10 +271,8 @@ class SglangZmqTransport:
             return  # cancelled by the driver's transfer timeout
         engine_id, notif = entry
         if ok and notif is not None:
-            try:
+            with contextlib.suppress(PeerUnreachable):  # else the lease ends at its expiry (never unsafe)
                 self.send(engine_id, None, notif)
-            except PeerUnreachable:
-                pass  # the lease then ends at its expiry instead (never unsafe)
         self._results.append(TransferResult(handle, ok, error))
 
     def poll_transfers(self) -> list[TransferResult]:

@@ -1,0 +1,302 @@
+"""The SGLang 0.5.23 plugin, end to end: SGLang's own NIXL manager/sender/receiver and bootstrap
+server in real processes (``.venv-sglang``), CPU pages moved over NIXL UCX, the plugin loaded
+through SGLang's ``load_plugins()``.
+
+Three processes for the whole module (imports cost ~10-20 s each): prefill P1 and decode D run
+the transfer, write-gate, abort and prefill-crash scenarios; prefill P2 (started at the same time)
+then serves D for the hostile-traffic, memory-wait and decode-crash scenarios. The tests run in
+file order and share those processes.
+
+Lease timing (set through the adapter's environment variables): d = 4 s, so I = d/6 ≈ 0.667 s,
+E = 2d/3 ≈ 2.667 s, E_a ≈ 2.616 s; A = 1.5 s, so A_l = G ≈ 1.5 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._sglang_helpers import Rank, free_port, need_sglang
+
+pytestmark = pytest.mark.slow
+
+D_LEASE = 4.0
+A = 1.5
+RHO = 1e-4
+I = D_LEASE / 6  # noqa: E741 - the spec's name
+E = (D_LEASE * 2) / 3
+G = A * (1 + RHO)
+#: Scheduling slack on a loaded 2-core machine (the pump's step, process wake-ups, the poll loops).
+SLACK = 1.5
+
+ENV = {
+    "SGLANG_PLUGINS": "kvlease",
+    "SGLANG_KVLEASE_LEASE_DURATION": str(D_LEASE),
+    "SGLANG_KVLEASE_MAX_ACCESS_TIME": str(A),
+    # SGLang's own liveness probe of the prefill (HTTP to its bootstrap server) stays at its
+    # default (>= 10 s), so it cannot be what fails a room here.
+}
+
+
+class Cluster:
+    def __init__(self, tmp: Path) -> None:
+        self.port1 = free_port()
+        self.port2 = free_port()
+        self.p1 = Rank("prefill", self.port1, ENV, tmp / "p1.log")
+        self.d = Rank("decode", self.port1, ENV, tmp / "d.log")
+        self.p2 = Rank("prefill", self.port2, ENV, tmp / "p2.log")
+        self.ranks = [self.p1, self.d, self.p2]
+        for r in self.ranks:
+            r.wait_ready()
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    need_sglang()
+    c = Cluster(tmp_path_factory.mktemp("sglang"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def bootstrap(c: Cluster, p: Rank, port: int, room: int, src: list[int], dst: list[int], aux: tuple[int, int]) -> None:
+    """P creates its sender, D its receiver and sends its metadata; P reaches WaitingForInput."""
+    p.call("sender", room=room, pages=len(src), aux=aux[0])
+    c.d.call("receiver", room=room, prefill_port=port)
+    c.d.call("metadata", room=room, pages=dst, aux=aux[1])
+    st = p.call("wait", room=room, statuses=["WaitingForInput", "Failed"], within=20)
+    assert st["status"] == "WaitingForInput", st
+
+
+def wait_validity(p: Rank, room: int, at_least: float) -> dict[str, float]:
+    """Until every destination lease of `room` on P has `at_least` seconds of validity."""
+    deadline = time.time() + 20
+    while True:
+        left = p.call("validity", room=room)["left"]
+        if left and all(v is not None and v >= at_least for v in left.values()):
+            return left
+        assert time.time() < deadline, f"no validity on P for room {room}: {left}"
+        time.sleep(0.05)
+
+
+# -- 1. the plugin ----------------------------------------------------------------------------
+
+
+def test_plugin_loads_through_load_plugins(cluster: Cluster) -> None:
+    for r in cluster.ranks:
+        assert r.hello["manager"] == "LeaseNixlKVManager"
+        # The module-level get_kv_class copies SGLang's prefill and decode queues call.
+        assert r.hello["classes"] == {
+            "prefill_manager": "LeaseNixlKVManager",
+            "prefill_sender": "LeaseNixlKVSender",
+            "decode_manager": "LeaseNixlKVManager",
+            "decode_receiver": "LeaseNixlKVReceiver",
+        }
+
+
+def test_sglang_plugins_selects_the_entry_point(cluster: Cluster) -> None:
+    # SGLang's own discovery over the installed entry points: SGLANG_PLUGINS is a whitelist.
+    assert cluster.d.call("discover", allow="kvlease")["plugins"] == {"kvlease": "kvlease.adapters.sglang:register"}
+    assert cluster.d.call("discover", allow="some_other_plugin")["plugins"] == {}
+
+
+# -- 2. destination-page lease: the normal transfer -------------------------------------------
+
+
+def test_normal_transfer_byte_exact_and_leases_end(cluster: Cluster) -> None:
+    c, room = cluster, 101
+    src, dst = [3, 4, 5, 6], [8, 9, 10, 11]
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(1, 2))
+    wait_validity(c.p1, room, A)
+    c.p1.call("send", room=room, pages=src)
+    assert c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=20)["status"] == "Success"
+    got = c.d.call("wait", room=room, statuses=["Success", "Failed"], within=20)
+    assert got["status"] == "Success", got
+    pages = c.d.call("pages", pages=list(range(32)), aux=2)
+    want = c.p1.call("expected", pages=src)["pages"]
+    for s, d in zip(src, dst, strict=True):
+        assert pages["pages"][str(d)] == want[str(s)]  # every byte of every layer: one value, the source's
+    for p in set(range(32)) - set(dst):
+        assert pages["pages"][str(p)] == [[1], [1]], f"page {p} outside the set was touched"
+    assert pages["aux"] == [201]  # P's aux slot 1
+    # The access-done rode on the WRITE: D's lease ended (no expiry wait), and D's Release
+    # ended P's source lease.
+    assert c.d.call("wait_release_safe", room=room, within=2)["safe"]
+    deadline = time.time() + 5
+    while c.p1.call("source_live", room=room)["live"]:
+        assert time.time() < deadline, "P's source lease was not released by D"
+        time.sleep(0.05)
+    ds, ps = c.d.call("stats"), c.p1.call("stats")
+    assert ds["stats"]["leases_completed"] >= 1 and ds["stats"]["leases_expired"] == 0
+    assert ps["stats"]["accesses_completed"] >= 1
+    assert ps["stats"]["heartbeat_acks_received"] >= 1 and ds["stats"]["heartbeat_acks_received"] >= 1
+    c.p1.call("clear", room=room)
+    c.d.call("clear", room=room)
+
+
+# -- 3. a WRITE the validity window does not cover is never started ----------------------------
+
+
+def test_uncovered_write_is_never_started(cluster: Cluster) -> None:
+    c, room = cluster, 102
+    src, dst = [1, 2], [20, 21]
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(2, 3))
+    wait_validity(c.p1, room, A)
+    posts_before = len(c.p1.call("posts")["posts"])
+    # D freezes: P's heartbeats go unanswered, so its window stops growing; once less than A_l
+    # is left, no WRITE may start. (E_a ≈ 2.62 s after the last acknowledged send; 1.2 s into
+    # the freeze at most 2.62 - 1.2 < A_l = 1.5 s are left.)
+    c.d.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.2)
+        left = c.p1.call("validity", room=room)["left"]
+        assert all(v is None or v < G for v in left.values()), left
+        c.p1.call("send", room=room, pages=src)
+        st = c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=10)
+    finally:
+        c.d.proc.send_signal(signal.SIGCONT)
+    assert st["status"] == "Failed", st
+    assert "kvlease: WRITE not started" in (st["failure"] or ""), st
+    assert len(c.p1.call("posts")["posts"]) == posts_before, "a NIXL WRITE was posted"
+    assert c.p1.call("stats")["writes_refused"] >= 1
+    # Through SGLang's own failure path: D hears KV_STATUS Failed, its pages were never written.
+    got = c.d.call("wait", room=room, statuses=["Failed", "Success"], within=10)
+    assert got["status"] == "Failed", got
+    pages = c.d.call("pages", pages=dst)["pages"]
+    assert all(pages[str(p)] == [[1], [1]] for p in dst), pages
+    # P released its destination lease (no write in flight) when it cleared the room, so D
+    # may reuse the pages without waiting for the expiry.
+    c.p1.call("clear", room=room)
+    assert c.d.call("wait_release_safe", room=room, within=E + G + SLACK)["safe"]
+    c.d.call("clear", room=room)
+
+
+# -- 4. abort while writing: a late WRITE never lands in reused pages ---------------------------
+
+
+def test_abort_while_writing_never_lands_in_reused_pages(cluster: Cluster) -> None:
+    c, room = cluster, 103
+    src, dst = [10, 11, 12], [24, 25, 26]
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(3, 4))
+    wait_validity(c.p1, room, A + 0.5)
+    # A straggler: P's worker has begun the access (the push guard allowed it) but its WRITE is
+    # posted 0.8 s late, within the access-time bound A.
+    c.p1.call("slow_post", seconds=0.8)
+    try:
+        c.p1.call("send", room=room, pages=src)
+        time.sleep(0.15)
+        t_abort = c.d.call("abort", room=room)["t"]  # D aborts the request mid-write
+        # D reuses the pages the moment SGLang's deferred release would: when the lease says so.
+        freed = c.d.call("wait_release_safe", room=room, within=E + G + SLACK + 2)
+        assert freed["safe"], "D's destination lease never ended"
+        c.d.call("canary", pages=dst, value=77)
+        c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=10)
+        posts = c.p1.call("posts")["posts"]
+    finally:
+        c.p1.call("slow_post", seconds=0.0)
+    assert posts and posts[-1] > t_abort, "the WRITE was meant to be posted after the abort"
+    assert freed["t"] > posts[-1], "D freed its pages before the late WRITE was even posted"
+    time.sleep(0.3)
+    pages = c.d.call("pages", pages=dst)["pages"]
+    assert all(pages[str(p)] == [[77], [77]] for p in dst), f"the canary was overwritten: {pages}"
+    st = c.d.call("wait", room=room, statuses=["Failed"], within=5)
+    assert st["status"] == "Failed", st
+    c.p1.call("clear", room=room)
+    c.d.call("clear", room=room)
+
+
+# -- 5. P SIGKILLed while D waits: D frees within the lease bound -------------------------------
+
+
+def test_prefill_killed_decode_frees_within_bound(cluster: Cluster) -> None:
+    c, room = cluster, 104
+    src, dst = [0, 1, 2, 3], [28, 29, 30, 31]
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(4, 5))
+    wait_validity(c.p1, room, A)  # promised: D may only free at expiry + G
+    time.sleep(0.3)
+    t_kill = c.p1.kill()
+    freed = c.d.call("wait_release_safe", room=room, within=60)
+    st = c.d.call("wait", room=room, statuses=["Failed", "Success"], within=5)
+    elapsed = freed["t"] - t_kill
+    # Claim 3 (push): at most E + I + G (+ delivery and timer slack) after the death; and, the
+    # lease having been renewed at most I before the kill, never before E - I + G.
+    assert freed["safe"], "D never freed the dead prefill's destination pages"
+    assert E - I + G - 0.05 <= elapsed <= E + I + G + SLACK, f"freed {elapsed:.3f}s after SIGKILL"
+    assert st["status"] == "Failed", st
+    # The first lease to go fails the room: this destination lease's expiry, or D's hold on P's
+    # source lease lapsing (both are the dead prefill); the pages came back by the expiry.
+    assert (st["failure"] or "").startswith("kvlease: "), st
+    assert c.d.call("stats")["stats"]["leases_expired"] >= 1
+    print(f"\nD freed the dead prefill's pages {elapsed:.3f}s after SIGKILL (bound E+I+G = {E + I + G:.3f}s)")
+    c.d.call("clear", room=room)
+
+
+# -- 6. hostile traffic on SGLang's sockets -----------------------------------------------------
+
+
+def test_hostile_messages_crash_no_sglang_thread(cluster: Cluster) -> None:
+    c = cluster
+    junk = [
+        [b"NOT_A_TAG".hex()],
+        [b"KVLEASE".hex()],
+        [b"KVLEASE".hex(), b"F".hex(), b"x".hex(), b"0".hex(), b"1.2.3.4:5".hex(), os.urandom(64).hex()],
+        [b"KVLEASE".hex(), b"T".hex(), b"x".hex(), b"0".hex(), b"127.0.0.1:1".hex(), b"\xc1garbage".hex()],
+        [b"KVLEASE".hex(), b"H".hex(), b"\xff\xfe".hex(), b"-1".hex(), b"".hex(), b"".hex()],
+        [b"KVLEASE".hex(), b"R".hex(), b"nobody".hex(), b"0".hex(), b"127.0.0.1:1".hex(), b"x".hex()],
+        [b"KVLEASE".hex(), b"Q".hex(), b"x".hex(), b"0".hex(), b"127.0.0.1:1".hex(), b"not-a-room".hex()],
+        [b"NixlMsgGuard".hex(), b"garbage".hex()],
+    ]
+    p2_port = c.p2.hello["rank_port"]
+    d_port = c.d.hello["rank_port"]
+    c.d.call("inject", port=p2_port, messages=junk)
+    c.d.call("inject", port=d_port, messages=junk)
+    time.sleep(0.5)
+    assert c.p2.call("stats")["dropped"] >= 6
+    assert c.d.call("stats")["dropped"] >= 5
+    # SGLang's bootstrap thread (P2) and listener thread (D) still serve: a transfer works.
+    room, src, dst = 106, [5, 6], [12, 13]
+    bootstrap(c, c.p2, c.port2, room, src, dst, aux=(5, 6))
+    wait_validity(c.p2, room, A)
+    c.p2.call("send", room=room, pages=src)
+    assert c.p2.call("wait", room=room, statuses=["Success", "Failed"], within=20)["status"] == "Success"
+    assert c.d.call("wait", room=room, statuses=["Success", "Failed"], within=20)["status"] == "Success"
+    pages = c.d.call("pages", pages=dst)["pages"]
+    want = c.p2.call("expected", pages=src)["pages"]
+    assert [pages[str(d)] for d in dst] == [want[str(s)] for s in src]
+    metrics = c.p2.call("metrics")["text"]
+    assert "kvlease_leases_granted_total" in metrics and "kvlease_sglang_writes_refused_total" in metrics
+    c.p2.call("clear", room=room)
+    c.d.call("clear", room=room)
+
+
+# -- 7. source-page lease: D waits for memory, then dies ----------------------------------------
+
+
+def test_decode_memory_wait_keeps_source_then_decode_killed_prefill_frees(cluster: Cluster) -> None:
+    c, room = cluster, 105
+    c.p2.call("sender", room=room, pages=2, aux=6)
+    c.d.call("receiver", room=room, prefill_port=c.port2)  # admitted; no metadata: short of memory
+    # Longer than the initial lease d: only D's renewals keep P2's source lease (and its room).
+    time.sleep(D_LEASE + 1.0)
+    assert c.p2.call("source_live", room=room)["live"], "a D short of memory lost P's pages"
+    st = c.p2.call("wait", room=room, statuses=["Failed"], within=0)
+    assert st["status"] == "Bootstrapping", st
+    t_kill = c.d.kill()
+    st = c.p2.call("wait", room=room, statuses=["Failed"], within=60)
+    elapsed = st["t"] - t_kill
+    assert st["status"] == "Failed", st
+    assert "kvlease: source-page lease expired" in (st["failure"] or ""), st
+    # Claim 3 (not push): at most E + I after the death (+ slack); never before E - I.
+    assert E - I - 0.05 <= elapsed <= E + I + SLACK, f"P freed {elapsed:.3f}s after D's SIGKILL"
+    assert not c.p2.call("source_live", room=room)["live"]
+    print(f"\nP freed the dead decode's source pages {elapsed:.3f}s after SIGKILL (bound E+I = {E + I:.3f}s)")
