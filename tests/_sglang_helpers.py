@@ -89,10 +89,10 @@ class Rank:
         return ans
 
     def kill(self) -> float:
-        """SIGKILL; returns the wall-clock time just before the signal."""
+        """SIGKILL; returns the wall-clock time just before the signal. Does not wait for the
+        exit (a big process can take seconds to be torn down): `close` reaps it."""
         t = time.time()
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
         return t
 
     def tail(self, n: int = 4000) -> str:

@@ -222,6 +222,14 @@ def main() -> None:
                         vu = rt.accessor.valid_until(key)
                         left[key] = None if vu is None else vu - now
                 answer({"ok": True, "left": left})
+            elif op == "dest_expiry":  # decode: seconds until each destination lease's expiry
+                with rt._lock:
+                    now = rt.driver.now()
+                    exp = {}
+                    for lid in rt._dest.get(cmd["room"], {}):
+                        info = rt.pinner.info(lid)
+                        exp[str(lid)] = None if info is None else [info.expiry - now, str(info.state)]
+                answer({"ok": True, "expiry": exp, "t": time.time()})
             elif op == "stats":
                 answer(
                     {

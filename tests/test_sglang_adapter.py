@@ -221,9 +221,12 @@ def test_abort_while_writing_never_lands_in_reused_pages(cluster: Cluster) -> No
 def test_prefill_killed_decode_frees_within_bound(cluster: Cluster) -> None:
     c, room = cluster, 104
     src, dst = [0, 1, 2, 3], [28, 29, 30, 31]
+    t_grant = time.time()  # D grants at send_metadata, inside bootstrap()
     bootstrap(c, c.p1, c.port1, room, src, dst, aux=(4, 5))
     wait_validity(c.p1, room, A)  # promised: D may only free at expiry + G
-    time.sleep(0.3)
+    # A renewable lease expires at max(grant + d, last renewal + E) (spec, Claim 3). Kill P once
+    # renewals decide it, so the bound is the heartbeat one: E + I + G after the death.
+    time.sleep(max(0.0, t_grant + (D_LEASE - E) + I - time.time()))
     t_kill = c.p1.kill()
     freed = c.d.call("wait_release_safe", room=room, within=60)
     st = c.d.call("wait", room=room, statuses=["Failed", "Success"], within=5)
