@@ -112,6 +112,57 @@ class _Lease:
         self.more: dict[int, list[int]] | None = None
 
 
+# -- a lease's life: spec/PROTOCOL.md §3 "States", one function per arrow ------------------------
+#
+#   grant ──► ACTIVE ── every expected rank counted ─────────────────────► ENDED(access_done|released)
+#               │ ───── local release, not promised ─────────────────────► ENDED(released)
+#               │ ───── local release, promised ──► RELEASING ── expiry ─► ENDED(released)
+#               │ ───── expiry, not push ────────────────────────────────► ENDED(expired|released)
+#               └────── expiry, push ──► QUARANTINED ── expiry + G ──────► ENDED(expired|released)
+#
+# Besides `state`, two flags of the spec: `promised` (an accessor may hold a validity window:
+# from the first renewing heartbeat, or from the grant for fixed-TTL) and `released` (the
+# lease ends as RELEASED whatever ends it). These functions are the only writers of all three
+# after the grant (`_Lease.__init__`); the renewal loop inlines `_promise`, its hot path.
+
+
+def _counts(lease: _Lease, now: float) -> bool:
+    """Whether a message may still act on the lease: ACTIVE or RELEASING, and not expired at
+    `now` (expired is ``now >= expiry``, before `handle_timeout` frees it)."""
+    return lease.state is not LeaseState.QUARANTINED and lease.expiry > now
+
+
+def _promise(lease: _Lease) -> None:
+    """A heartbeat renewed it (acknowledged): an accessor may now hold a validity window."""
+    lease.promised = True
+
+
+def _to_releasing(lease: _Lease) -> None:
+    """ACTIVE -> RELEASING: a local release of a promised lease; held until its expiry."""
+    lease.state = _RELEASING
+    lease.released = True
+
+
+def _flag_released(lease: _Lease) -> None:
+    """A counted accessor `Release`: the lease ends as RELEASED whatever ends it."""
+    lease.released = True
+
+
+def _to_quarantined(lease: _Lease, guard: float) -> None:
+    """Expiry of a push lease: keep the memory `guard` longer for a write still landing."""
+    lease.state = LeaseState.QUARANTINED
+    lease.expiry += guard
+
+
+def _to_ended(lease: _Lease) -> None:
+    lease.state = LeaseState.ENDED
+
+
+def _end_reason(lease: _Lease, otherwise: EndReason) -> EndReason:
+    """The reason the lease ends with now: RELEASED if its flag is set, else `otherwise`."""
+    return EndReason.RELEASED if lease.released else otherwise
+
+
 class _Tombstone:
     """What a finished lease leaves behind to answer late messages precisely."""
 
@@ -232,11 +283,10 @@ class Pinner:
             if lease.expiry > now:
                 heapq.heappush(heap, (lease.expiry, lease_id))  # renewed since it was pushed
             elif lease.push and lease.state is not LeaseState.QUARANTINED:
-                lease.state = LeaseState.QUARANTINED
-                lease.expiry += self.config.push_guard
+                _to_quarantined(lease, self.config.push_guard)
                 heapq.heappush(heap, (lease.expiry, lease_id))
             else:
-                out.append(self._end(lease, EndReason.RELEASED if lease.released else EndReason.EXPIRED, now))
+                out.append(self._end(lease, _end_reason(lease, EndReason.EXPIRED), now))
         if len(heap) > 2 * len(self._leases) + 64:
             self._compact()
         return tuple(out)
@@ -339,8 +389,7 @@ class Pinner:
             return ()  # already releasing, expired, or a push write may still land: expiry frees it
         if not lease.promised:
             return (self._end(lease, EndReason.RELEASED, now),)
-        lease.state = _RELEASING
-        lease.released = True
+        _to_releasing(lease)
         return ()
 
     def info(self, lease_id: int) -> LeaseInfo | None:
@@ -543,12 +592,12 @@ class Pinner:
                         fresh = self._fresh_renewal(lease, rank, seq)
                     if fresh and lease.kind is _RENEWABLE and new_expiry > lease.expiry:
                         lease.expiry = new_expiry
-                    lease.promised = True
+                    lease.promised = True  # `_promise`, inlined
                     renewed += 1
                     continue
                 reason: EndReason | None
                 if lease is not None:  # releasing, quarantined or overdue: held, but no longer renewed
-                    reason = EndReason.RELEASED if lease.released else EndReason.EXPIRED
+                    reason = _end_reason(lease, EndReason.EXPIRED)
                 else:
                     tomb = tombstones.get(lease_id)
                     reason = None if tomb is None else tomb.reason
@@ -604,34 +653,56 @@ class Pinner:
                 return AccessOutcome.OK  # a duplicate of this rank's access-done, counted while live
             self.counters.late_access_done += 1
             return AccessOutcome.STALE if tomb is not None else AccessOutcome.UNKNOWN
-        if lease.state is LeaseState.QUARANTINED or lease.expiry <= now:
+        if not _counts(lease, now):
             self.counters.late_access_done += 1
             return AccessOutcome.STALE  # expired (the next handle_timeout frees or quarantines it)
-        if self._bound_elsewhere(lease, sender, rank, session):
-            self.counters.rejected += 1
-            out.append(Rejected(sender, f"access-done for lease {lease_id}, which is held for another accessor"))
-            return AccessOutcome.STALE
-        if lease.expected and expected != lease.expected:
-            self.counters.rejected += 1
-            why = f"access-done for lease {lease_id} expects {expected} ranks, granted with {lease.expected}"
-            out.append(Rejected(sender, why))
-            return AccessOutcome.STALE
-        self._bind(lease, sender, rank, session)
         # ACTIVE or RELEASING: the memory is still pinned, so the access saw valid data.
-        self._count_rank(now, lease, rank, expected, EndReason.RELEASED if lease.released else EndReason.ACCESS_DONE,
-                         out)
+        if not self._count_rank(now, lease, "access-done", sender, rank, session, expected, out):
+            return AccessOutcome.STALE
         return AccessOutcome.OK
 
     def _count_rank(
-        self, now: LocalTime, lease: _Lease, rank: int, expected: int, reason: EndReason, out: list[PinnerOutput]
+        self,
+        now: LocalTime,
+        lease: _Lease,
+        what: str,
+        sender: str,
+        rank: int,
+        session: int,
+        expected: int,
+        out: list[PinnerOutput],
+        *,
+        release: bool = False,
+    ) -> bool:
+        """Count accessor rank `rank` of `sender` as finished with the lease (an access-done,
+        or with `release` a Release, which counts like an access-done without data); end the
+        lease when every expected rank is counted. The one place ranks are counted (stock
+        vLLM read-dones too, by `_count_pseudo_rank`). False, with a `Rejected` in `out`: the
+        lease is held for another accessor, or `expected` disagrees with the grant's."""
+        if self._bound_elsewhere(lease, sender, rank, session):
+            self.counters.rejected += 1
+            of = "of" if release else "for"
+            out.append(Rejected(sender, f"{what} {of} lease {lease.lease_id}, which is held for another accessor"))
+            return False
+        if lease.expected and expected != lease.expected:
+            self.counters.rejected += 1
+            why = f"{what} for lease {lease.lease_id} expects {expected} ranks, granted with {lease.expected}"
+            out.append(Rejected(sender, why))
+            return False
+        self._bind(lease, sender, rank, session)
+        if release:
+            _flag_released(lease)
+        self._count_pseudo_rank(now, lease, rank, expected, out)
+        return True
+
+    def _count_pseudo_rank(
+        self, now: LocalTime, lease: _Lease, rank: int, expected: int, out: list[PinnerOutput]
     ) -> None:
-        """Count one accessor rank as finished (done or released); end the lease when every
-        expected rank is counted. The one place ranks are counted."""
         lease.expected = expected
         done = (lease.done or frozenset()) | {rank}
         lease.done = done
         if len(done) >= expected:
-            out.append(self._end(lease, reason, now))
+            out.append(self._end(lease, _end_reason(lease, EndReason.ACCESS_DONE), now))
 
     def _on_release(self, now: LocalTime, msg: Release) -> tuple[PinnerOutput, ...]:
         bad = self._layout_rejection(msg.engine_id, "release", msg.rank, msg.ranks)
@@ -643,23 +714,11 @@ class Pinner:
         expected = tp_layout(self.ranks, msg.ranks, msg.rank).expected
         for lease_id in msg.lease_ids:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.state is LeaseState.QUARANTINED or lease.expiry <= now:
+            if lease is None or not _counts(lease, now):
                 continue  # ended, or expired: expiry frees it
-            if self._bound_elsewhere(lease, msg.engine_id, msg.rank, msg.session):
-                self.counters.rejected += 1
-                out.append(Rejected(msg.engine_id, f"release of lease {lease_id}, which is held for another accessor"))
-                continue
-            # A release counts like an access-done of that rank without data: the lease ends
-            # only when every expected accessor rank has finished or released, so one rank's
-            # abort never frees memory another rank may be reading under its validity.
-            if lease.expected and expected != lease.expected:
-                self.counters.rejected += 1
-                why = f"release for lease {lease_id} expects {expected} ranks, granted with {lease.expected}"
-                out.append(Rejected(msg.engine_id, why))
-                continue
-            self._bind(lease, msg.engine_id, msg.rank, msg.session)
-            lease.released = True
-            self._count_rank(now, lease, msg.rank, expected, EndReason.RELEASED, out)
+            # The lease ends only when every expected accessor rank has finished or released,
+            # so one rank's abort never frees memory another rank may be reading.
+            self._count_rank(now, lease, "release", msg.engine_id, msg.rank, msg.session, expected, out, release=True)
         return tuple(out)
 
     # -- vLLM compatibility -----------------------------------------------------------------
@@ -683,7 +742,7 @@ class Pinner:
         self._now = now
         lease_id = by_key.get(request_id)
         lease = None if lease_id is None else self._leases.get(lease_id)
-        if lease is None or lease.state is LeaseState.QUARANTINED or lease.expiry <= now:
+        if lease is None or not _counts(lease, now):
             self.counters.late_access_done += 1
             return ()
         if lease.accessor is not None and lease.accessor != _COMPAT_ENGINE:
@@ -695,8 +754,7 @@ class Pinner:
         lease.accessor = _COMPAT_ENGINE
         out: list[PinnerOutput] = []
         pseudo_rank = _COMPAT_RANK_BASE + len(lease.done or ())
-        reason = EndReason.RELEASED if lease.released else EndReason.ACCESS_DONE
-        self._count_rank(now, lease, pseudo_rank, count, reason, out)
+        self._count_pseudo_rank(now, lease, pseudo_rank, count, out)
         return tuple(out)
 
     def _require_compat(self) -> dict[str, int]:
@@ -707,7 +765,7 @@ class Pinner:
     # -- internals --------------------------------------------------------------------------
 
     def _end(self, lease: _Lease, reason: EndReason, now: LocalTime) -> Free:
-        lease.state = LeaseState.ENDED
+        _to_ended(lease)
         del self._leases[lease.lease_id]
         if self._by_key is not None and self._by_key.get(lease.key) == lease.lease_id:
             del self._by_key[lease.key]
