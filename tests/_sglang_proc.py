@@ -214,14 +214,15 @@ def main() -> None:
                 answer({"ok": True, "posts": posts})
             elif op == "source_live":
                 answer({"ok": True, "live": bool(rt.source_live(cmd["room"]))})
-            elif op == "validity":  # prefill: seconds of validity left on each destination lease
+            elif op == "validity":  # seconds of validity left on each lease this rank accesses
                 with rt._lock:
                     now = rt.driver.now()
                     left = {}
-                    for key in rt.dest_keys(cmd["room"]):
-                        vu = rt.accessor.valid_until(key)
-                        left[key] = None if vu is None else vu - now
-                answer({"ok": True, "left": left})
+                    for key in sorted(rt._tracked.get(cmd["room"], set())):
+                        if key.startswith(cmd.get("prefix", "d:")):
+                            vu = rt.accessor.valid_until(key)
+                            left[key] = None if vu is None else vu - now
+                answer({"ok": True, "left": left, "t": time.time()})
             elif op == "dest_expiry":  # decode: seconds until each destination lease's expiry
                 with rt._lock:
                     now = rt.driver.now()

@@ -194,11 +194,15 @@ def test_dead_prefill_frees_decode_pages_within_bound(pd: tuple[Side, Side]) -> 
     d.rt.grant_dest(room, "127.0.0.1", p.port)
     wait_for(lambda: not p.rt.awaiting_first_ack(room))
     time.sleep(2 * I)
+    (key,) = p.rt.dest_keys(room)
     t_dead = time.monotonic()
-    p.rt.close()  # P's heartbeats stop
+    p.rt.close()  # P's heartbeats stop (its pump has stopped when close returns)
+    window_end = p.rt.accessor.valid_until(key)  # P could have started a WRITE until then
+    assert window_end is not None
     wait_for(lambda: d.rt.dest_freed(room), timeout=E + I + G + 2)
     t_free = next(t for t, ev in d.events if ev.room == room and ev.kind == "dest_freed")
-    assert E - I + G - 0.01 <= t_free - t_dead <= E + I + G + 0.5
+    assert t_free >= window_end + G  # one process, one monotonic clock: exact
+    assert t_free - t_dead <= E + I + G + 0.5
     assert [ev.reason for _t, ev in d.events if ev.kind == "fail"] == [
         "kvlease: destination-page lease expired (prefill silent)"
     ]

@@ -19,6 +19,7 @@ pair):
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -114,7 +115,10 @@ class LeaseRuntime:
         # pinner side
         self._dest: dict[int, dict[int, bool]] = {}  # room -> lease id -> freed
         self._source: dict[int, LeaseTicket] = {}  # room -> our source-lease ticket
-        self._source_asked: dict[int, list[tuple[str, str]]] = {}  # room -> [(engine, address)]
+        #: room -> [(engine, address)]: ticket requests that came before their sender (oldest
+        #: evicted first past MAX_STASHED, so junk cannot lock real requests out).
+        self._source_asked: collections.OrderedDict[int, list[tuple[str, str]]] = collections.OrderedDict()
+        self._dest_closing: set[int] = set()  # rooms the decode cleared while a lease was live
         # accessor side
         self._tracked: dict[int, set[str]] = {}  # room -> keys tracked here
         self._writes: dict[int, dict[str, int]] = {}  # room -> key -> transport handle
@@ -172,6 +176,9 @@ class LeaseRuntime:
                         self._emit("fail", room, "kvlease: destination-page lease expired (prefill silent)")
                     if leases is not None and all(leases.values()):
                         self._emit("dest_freed", room, reason.value)
+                        if room in self._dest_closing:
+                            self._dest_closing.discard(room)
+                            del self._dest[room]
                 elif key.startswith("s:"):
                     self._source.pop(room, None)
                     if reason is EndReason.EXPIRED:
@@ -250,8 +257,12 @@ class LeaseRuntime:
         ticket = self._source.get(room)
         if ticket is not None:
             self._offer(address, room, ticket)
-        elif len(self._source_asked) < MAX_STASHED:
-            self._source_asked.setdefault(room, []).append((engine_id, address))
+            return
+        askers = self._source_asked.setdefault(room, [])
+        if (engine_id, address) not in askers and len(askers) < 64:
+            askers.append((engine_id, address))
+        while len(self._source_asked) > MAX_STASHED:
+            self._source_asked.popitem(last=False)
 
     def _offer(self, address: str, room: int, ticket: LeaseTicket) -> None:
         try:
@@ -406,10 +417,16 @@ class LeaseRuntime:
             return all(self._dest.get(room, {}).values())
 
     def forget_dest(self, room: int) -> None:
+        """Decode: the room is cleared; drop its bookkeeping once its leases have ended."""
         with self._lock:
             leases = self._dest.get(room)
-            if leases is not None and all(leases.values()):
+            if leases is None:
+                return
+            if all(leases.values()):
                 del self._dest[room]
+                self._dest_closing.discard(room)
+            else:
+                self._dest_closing.add(room)
 
     def ask_source(self, room: int, prefill_ip: str, prefill_port: int) -> None:
         """Decode: the request is admitted: ask the prefill rank for its source-lease ticket, to

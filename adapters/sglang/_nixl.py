@@ -310,3 +310,6 @@ class LeaseNixlKVReceiver(NixlKVReceiver):  # type: ignore[misc]
         status = self.kv_mgr.request_status.get(self.bootstrap_room)
         super().clear()
         self._settle(KVPoll.Success if status == KVPoll.Success else KVPoll.Failed)
+        rt = getattr(self.kv_mgr, "kvlease", None)
+        if rt is not None:
+            rt.forget_dest(self.bootstrap_room)

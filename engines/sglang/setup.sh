@@ -23,7 +23,7 @@ fi
 
 echo "engines/sglang/setup.sh: installing SGLang 0.5.23 into $VENV (a few minutes)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-warn-conflicts)
 # The CPU build of torch first (on local disk), so nothing pulls a multi-GB CUDA build.
 "${pip[@]}" "torch==2.13.0"
 # SGLang and NIXL without their dependency lists (SGLang's pulls a CUDA torch and ~9 GB more;
