@@ -138,7 +138,9 @@ def test_fixed_core_has_no_violation_in_the_ci_scope() -> None:
     wall = time.perf_counter() - t0
     print(f"CI scope: {total:,} states in {wall:.1f} s")
     assert total > 150_000  # non-trivial: the happy path, faults and time all branch
-    assert wall < 180
+    # Its cost stays bounded by the state count (deterministic), never by the wall clock of a
+    # shared machine: ~196k states today, a few minutes on one loaded core.
+    assert total < 400_000
 
 
 def test_unbound_handshake_late_duplicate_after_a_pinner_restart_is_found() -> None:
