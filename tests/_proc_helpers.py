@@ -1,14 +1,14 @@
 """Real OS processes for the transport tests: an *agent* script and its controller.
 
 Run as a script (``python tests/_proc_helpers.py CONFIG_JSON``), this module is an engine
-worker in miniature: a `Driver` over a `ZmqTransport` (or any transport a factory names), with
-a `Pinner`, an `Accessor` or both, stepped from a loop exactly as an engine's forward loop
-would. It takes JSON-line commands on stdin and prints JSON-line events on stdout, each stamped
-with ``time.monotonic()`` (system-wide on Linux, so the controller can compare instants across
-processes for *measurement*; the protocol never does).
+worker in miniature: a `Driver` over the transport the config names (built by the harness's
+factory, `kvlease.transports._child.make_transport`: ZMQ or NIXL), with a `Pinner`, an
+`Accessor` or both, stepped from the harness's worker loop (`serve`) exactly as an engine's
+forward loop would. It takes JSON-line commands on stdin and prints JSON-line events on stdout
+(the harness's protocol: see `kvlease.transports._child`).
 
-Imported, `Agent` spawns such a process (optionally inside a network namespace) and waits for
-its events. The NIXL tests may import this module; only the ZMQ helper edits it.
+Imported, `Agent` (a `ChildProcess` of the harness) spawns such a process (optionally inside a
+network namespace) and waits for its events; a crashed agent fails the wait at once.
 
 Config: ``engine_id``, ``role`` (pinner/accessor/both), ``rank``/``ranks`` (a worker of a
 tensor-parallel engine; pinner workers of one engine share ``incarnation``), ``bind``, ``lease``
@@ -28,16 +28,20 @@ heartbeats); stats; exit.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from kvlease.transports._child import (  # type: ignore[import-not-found,unused-ignore]
+    ChildProcess,
+    Commands,
+    emit,
+    make_transport,
+    serve,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
@@ -49,108 +53,25 @@ TEST_LEASE: dict[str, Any] = {"kv_lease_duration": 3.0, "max_access_time": 0.2}
 # -- controller side ---------------------------------------------------------------------------
 
 
-class Agent:
-    """A spawned agent process, its event log, and ways to wait on it."""
+class Agent(ChildProcess):  # type: ignore[misc,unused-ignore]
+    """A spawned agent process (this file, or `script` beside it, run with `config`)."""
 
     def __init__(
-        self, config: dict[str, Any], *, netns: str | None = None, env: dict[str, str] | None = None,
+        self,
+        config: dict[str, Any],
+        *,
+        netns: str | None = None,
+        env: dict[str, str] | None = None,
         script: str = "_proc_helpers.py",
     ) -> None:
         cmd = [PYTHON, "-u", os.path.join(REPO, "tests", script), json.dumps(config)]
         if netns is not None:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        self.name = str(config.get("engine_id", "agent"))
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env
-        )
-        self.events: list[dict[str, Any]] = []
-        self.stderr: list[str] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-        try:
-            ready = self.wait_for(lambda e: e["ev"] == "ready", timeout=60.0)
-        except BaseException:
-            self.close()
-            raise
-        self.address: str = ready["address"]
-        self.ready = ready
+        super().__init__(cmd, name=str(config.get("engine_id", "agent")), env={**os.environ, **(env or {})})
+        self.address: str = self.ready["address"]
 
-    def _read_stdout(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                ev = {"ev": "noise", "line": line}
-            with self._cond:
-                self.events.append(ev)
-                self._cond.notify_all()
-        with self._cond:
-            self.events.append({"ev": "eof", "t": time.monotonic()})
-            self._cond.notify_all()
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def wait_for(self, pred: Callable[[dict[str, Any]], bool], timeout: float, *, start: int = 0) -> dict[str, Any]:
-        """The first event (from index `start`) matching `pred`; fails after `timeout` s."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for ev in self.events[start:]:
-                    if pred(ev):
-                        return ev
-                    if ev["ev"] == "eof" and not pred(ev):
-                        pass
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    tail = "".join(self.stderr[-30:])
-                    raise AssertionError(
-                        f"{self.name}: no matching event within {timeout} s; events: {self.events[-20:]}\n"
-                        f"stderr:\n{tail}"
-                    )
-                self._cond.wait(min(left, 0.2))
-
-    def find(self, pred: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
-        with self._cond:
-            return [e for e in self.events if pred(e)]
-
-    def request(self, op: str, reply: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
-        """Send a command and wait for its reply event (matched by a fresh request id)."""
-        rid = f"{op}-{time.monotonic_ns()}"
-        self.send(op=op, rid=rid, **args)
-        return self.wait_for(lambda e: e.get("rid") == rid and e["ev"] in (reply, "error"), timeout)
-
-    def kill(self, sig: int = 9) -> float:
-        """Signal the process; returns when it was sent (monotonic)."""
-        t = time.monotonic()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, sig)
-        return t
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.send(op="exit")
-            try:
-                self.proc.wait(3.0)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5.0)
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            with contextlib.suppress(Exception):
-                if f is not None:
-                    f.close()
+    def close(self, exit_command: dict[str, Any] | None = None, grace: float = 3.0) -> None:
+        super().close({"op": "exit"} if exit_command is None else exit_command, grace)
 
 
 def spawn_pair(
@@ -167,11 +88,17 @@ def spawn_pair(
     """A pinner engine "P" and an accessor engine "D", as two real processes."""
     lease = dict(TEST_LEASE if lease is None else lease)
     extra = {"transport": transport, "capture": capture}
-    p = Agent({"engine_id": "P", "role": "pinner", "bind": pinner_bind, "lease": lease, "tensor": tensor, **extra},
-              netns=netns[0], env=env)
+    p = Agent(
+        {"engine_id": "P", "role": "pinner", "bind": pinner_bind, "lease": lease, "tensor": tensor, **extra},
+        netns=netns[0],
+        env=env,
+    )
     try:
-        d = Agent({"engine_id": "D", "role": "accessor", "bind": accessor_bind, "lease": lease, "tensor": tensor,
-                   **extra}, netns=netns[1], env=env)
+        d = Agent(
+            {"engine_id": "D", "role": "accessor", "bind": accessor_bind, "lease": lease, "tensor": tensor, **extra},
+            netns=netns[1],
+            env=env,
+        )
     except BaseException:
         p.close()
         raise
@@ -181,11 +108,7 @@ def spawn_pair(
 # -- agent side ----------------------------------------------------------------------------------
 
 
-def _emit(ev: str, **fields: Any) -> None:
-    fields["ev"] = ev
-    fields.setdefault("t", time.monotonic())
-    sys.stdout.write(json.dumps(fields, default=str) + "\n")
-    sys.stdout.flush()
+_emit = emit
 
 
 def _capture(transport: Any) -> None:  # pragma: no cover - runs in the child
@@ -214,7 +137,7 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
     import random
 
     import attrs
-    from kvlease.transports import Driver, new_session
+    from kvlease.transports import Driver, new_session  # type: ignore[import-not-found,unused-ignore]
 
     import kvlease
 
@@ -230,15 +153,13 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
     rank, ranks = int(config.get("rank", 0)), int(config.get("ranks", 1))
     # The workers of one pinner engine share its incarnation (heterogeneous-TP tests pass it).
     incarnation = int(config.get("incarnation", random.getrandbits(63)))
-    transport: Any
-    if config.get("transport", "zmq") == "nixl":
-        from kvlease.transports.nixl import NixlTransport
-
-        transport = NixlTransport(engine_id, rank, incarnation=incarnation)
-    else:
-        from kvlease.transports.zmq_transport import ZmqTransport
-
-        transport = ZmqTransport(engine_id, rank, bind=config.get("bind", "tcp://127.0.0.1:0"))
+    transport: Any = make_transport(
+        config.get("transport", "zmq"),
+        engine_id,
+        rank,
+        incarnation=incarnation,
+        bind=config.get("bind", "tcp://127.0.0.1:0"),
+    )
     if config.get("capture"):
         _capture(transport)
     pinner = None
@@ -265,17 +186,13 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
         raw = bytes(buf.numpy().tobytes()) if torch is not None else bytes(buf)
         return sorted(set(raw))
 
-    commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
-
-    def read_stdin() -> None:
-        for line in sys.stdin:
-            with contextlib.suppress(ValueError):
-                commands.put(json.loads(line))
-        commands.put(None)
-
-    threading.Thread(target=read_stdin, daemon=True).start()
-    _emit("ready", address=transport.address, session=None if accessor is None else accessor.session,
-          incarnation=None if pinner is None else incarnation)
+    commands = Commands()
+    _emit(
+        "ready",
+        address=transport.address,
+        session=None if accessor is None else accessor.session,
+        incarnation=None if pinner is None else incarnation,
+    )
     hb_seen = 0
 
     def run(cmd: dict[str, Any]) -> bool:
@@ -331,8 +248,14 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
                 else:
                     buf = new_buffer(cmd["size"], cmd["fill"])
                     decision = driver.write(key, cmd.get("region", key), buf)
-                _emit("access", rid=rid, key=key, allowed=decision.allowed, guaranteed=decision.guaranteed,
-                      reason=decision.reason)
+                _emit(
+                    "access",
+                    rid=rid,
+                    key=key,
+                    allowed=decision.allowed,
+                    guaranteed=decision.guaranteed,
+                    reason=decision.reason,
+                )
             elif op == "pause":
                 _emit("paused", rid=rid)
                 time.sleep(cmd["seconds"])
@@ -347,16 +270,8 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
             _emit("error", rid=rid, error=f"{type(exc).__name__}: {exc}")
         return True
 
-    running = True
-    while running:
-        while True:
-            try:
-                cmd = commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd is None or not run(cmd):
-                running = False
-                break
+    def step() -> bool:
+        nonlocal hb_seen
         for ev in driver.step():
             fields = attrs.asdict(ev, recurse=False)
             name = type(ev).__name__
@@ -368,6 +283,9 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
             hb_seen = n
             _emit("hb", count=n)
         transport.wait(0.002)
+        return True
+
+    serve(commands, run, step)
     driver.close()
 
 

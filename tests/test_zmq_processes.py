@@ -142,8 +142,10 @@ def test_accessor_crash_frees_within_extension_plus_interval(pair: tuple[Agent, 
         delay = free["t"] - last_hb
         # Push memory is kept `push_guard` longer: a write that started in time may land.
         extra = CFG.push_guard if key == "push" else 0.0
-        print(f"\naccessor SIGKILL: {key} freed {delay:.3f} s after the last heartbeat "
-              f"(bound extension + interval + step = {bound + extra:.3f} s)")
+        print(
+            f"\naccessor SIGKILL: {key} freed {delay:.3f} s after the last heartbeat "
+            f"(bound extension + interval + step = {bound + extra:.3f} s)"
+        )
         assert EXT - 0.05 <= delay <= bound + extra
 
 
@@ -160,8 +162,10 @@ def test_pinner_crash_reports_lost_and_does_not_hang(pair: tuple[Agent, Agent]) 
     bound = CFG.kv_lease_duration + IVL + d_transfer_timeout() + SLACK
     for key in ("idle", "busy"):
         lost = d.wait_for(lambda e, k=key: e["ev"] == "LeaseLost" and e["key"] == k, 15)
-        print(f"\npinner SIGKILL: {key} reported lost after {lost['t'] - killed:.3f} s ({lost['reason']}, "
-              f"bound {bound:.3f} s)")
+        print(
+            f"\npinner SIGKILL: {key} reported lost after {lost['t'] - killed:.3f} s ({lost['reason']}, "
+            f"bound {bound:.3f} s)"
+        )
         assert lost["t"] - killed <= bound
     assert d.find(lambda e: e["ev"] == "TransferFailed" and e["key"] == "busy")
     assert d.find(lambda e: e["ev"] == "AccessCompleted") == []
@@ -180,16 +184,22 @@ def test_late_read_after_expiry_is_never_reported_valid(pair: tuple[Agent, Agent
     p, d = pair
     _track(d, "late", _grant(p, "late", fill=0xAA))
     p.wait_for(lambda e: e["ev"] == "hb" and e["count"] >= 2, 10)
-    d.send(op="pause", rid="freeze", seconds=EXT + 1.5,
-           then=[{"op": "read", "rid": "late-read", "key": "late", "size": 64 * 1024}])
+    d.send(
+        op="pause",
+        rid="freeze",
+        seconds=EXT + 1.5,
+        then=[{"op": "read", "rid": "late-read", "key": "late", "size": 64 * 1024}],
+    )
     free = p.wait_for(lambda e: e["ev"] == "Free", 10)
     assert free["reason"] == "expired"
     p.request("refill", "refilled", key="late", fill=0xBB)  # another request's KV now
     d.wait_for(lambda e: e["ev"] == "resumed", 10)
     access = d.wait_for(lambda e: e.get("rid") == "late-read", 5)
     out = _outcome(d, "late")
-    print(f"\nlate read: access allowed={access['allowed']} guaranteed={access.get('guaranteed')}, "
-          f"outcome {out['ev']} ({out.get('reason')})")
+    print(
+        f"\nlate read: access allowed={access['allowed']} guaranteed={access.get('guaranteed')}, "
+        f"outcome {out['ev']} ({out.get('reason')})"
+    )
     assert out["ev"] in ("AccessStale", "LeaseLost"), out
     assert d.find(lambda e: e["ev"] == "AccessCompleted") == []
     if access["allowed"]:
@@ -201,8 +211,12 @@ def test_late_write_after_expiry_never_lands(pair: tuple[Agent, Agent]) -> None:
     p, d = pair
     _track(d, "late", _grant(p, "late", fill=0, push=True), push=True)
     p.wait_for(lambda e: e["ev"] == "hb" and e["count"] >= 2, 10)
-    d.send(op="pause", rid="freeze", seconds=EXT + CFG.push_guard + 1.5,
-           then=[{"op": "write", "rid": "late-write", "key": "late", "size": 64 * 1024, "fill": 0xEE}])
+    d.send(
+        op="pause",
+        rid="freeze",
+        seconds=EXT + CFG.push_guard + 1.5,
+        then=[{"op": "write", "rid": "late-write", "key": "late", "size": 64 * 1024, "fill": 0xEE}],
+    )
     free = p.wait_for(lambda e: e["ev"] == "Free", 10)
     assert free["reason"] == "expired"
     p.request("refill", "refilled", key="late", fill=0xBB)
@@ -227,3 +241,19 @@ def test_push_pinner_crash_and_accessor_crash() -> None:
     finally:
         p.close()
         d.close()
+
+
+def test_a_crashed_agent_fails_the_wait_at_once(pair: tuple[Agent, Agent]) -> None:
+    """A child that dies fails a wait on it with `ChildExited` (its exit status and last
+    events), not with the generic timeout the waiter would otherwise sit out."""
+    from kvlease.transports._child import ChildExited  # type: ignore[import-not-found,unused-ignore]
+
+    p, d = pair
+    d.kill(9)
+    with pytest.raises(ChildExited) as caught:
+        d.wait_for(lambda e: e["ev"] == "never-sent", timeout=120.0)
+    assert "exit status -9" in str(caught.value)
+    # The other agent is unaffected, and a wait on it still times out the ordinary way.
+    with pytest.raises(AssertionError) as timed_out:
+        p.wait_for(lambda e: e["ev"] == "never-sent", timeout=0.5)
+    assert not isinstance(timed_out.value, ChildExited)
