@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvlease.transports._child import (  # type: ignore[import-not-found,unused-ignore]
+from kvlease.cli._child import (
     ChildProcess,
     Commands,
     emit,
@@ -53,7 +53,7 @@ TEST_LEASE: dict[str, Any] = {"kv_lease_duration": 3.0, "max_access_time": 0.2}
 # -- controller side ---------------------------------------------------------------------------
 
 
-class Agent(ChildProcess):  # type: ignore[misc,unused-ignore]
+class Agent(ChildProcess):
     """A spawned agent process (this file, or `script` beside it, run with `config`)."""
 
     def __init__(

@@ -8,7 +8,7 @@ protocol's, plus a slack for a loaded 2-core machine; they are printed.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -25,6 +25,11 @@ IVL = CFG.heartbeat_interval  # 0.5 s
 SLACK = 0.75
 
 pytestmark = pytest.mark.slow
+
+
+def _event(name: str, key: str) -> Callable[[dict[str, Any]], bool]:
+    """A predicate: event `name` about `key`."""
+    return lambda e: bool(e["ev"] == name and e.get("key") == key)
 
 
 @pytest.fixture
@@ -121,7 +126,7 @@ def test_overload_heartbeats_keep_leases_for_3x_the_lease(pair: tuple[Agent, Age
     assert w["allowed"], w
     assert _outcome(d, "pull")["values"] == [0x11]
     assert _outcome(d, "push")["ev"] == "AccessCompleted"
-    frees = [p.wait_for(lambda e, k=k: e["ev"] == "Free" and e["key"] == k, 5) for k in ("pull", "push")]
+    frees = [p.wait_for(_event("Free", k), 5) for k in ("pull", "push")]
     assert {f["reason"] for f in frees} == {"access_done"}
     hbs = p.request("stats", "stats")["stats"]["heartbeats_received"]
     print(f"\noverload: held {hold:.1f} s, pinner saw {hbs} heartbeats, no free")
@@ -134,7 +139,7 @@ def test_accessor_crash_frees_within_extension_plus_interval(pair: tuple[Agent, 
     _track(d, "push", _grant(p, "push", fill=0, push=True), push=True)
     p.wait_for(lambda e: e["ev"] == "hb" and e["count"] >= 3, 10)
     d.kill()
-    frees = {k: p.wait_for(lambda e, k=k: e["ev"] == "Free" and e["key"] == k, 15) for k in ("pull", "push")}
+    frees = {k: p.wait_for(_event("Free", k), 15) for k in ("pull", "push")}
     last_hb = max(e["t"] for e in p.find(lambda e: e["ev"] == "hb"))
     bound = EXT + IVL + SLACK
     for key, free in frees.items():
@@ -161,7 +166,7 @@ def test_pinner_crash_reports_lost_and_does_not_hang(pair: tuple[Agent, Agent]) 
     # (the busy one only once its hung READ has timed out).
     bound = CFG.kv_lease_duration + IVL + d_transfer_timeout() + SLACK
     for key in ("idle", "busy"):
-        lost = d.wait_for(lambda e, k=key: e["ev"] == "LeaseLost" and e["key"] == k, 15)
+        lost = d.wait_for(_event("LeaseLost", key), 15)
         print(
             f"\npinner SIGKILL: {key} reported lost after {lost['t'] - killed:.3f} s ({lost['reason']}, "
             f"bound {bound:.3f} s)"
@@ -246,7 +251,7 @@ def test_push_pinner_crash_and_accessor_crash() -> None:
 def test_a_crashed_agent_fails_the_wait_at_once(pair: tuple[Agent, Agent]) -> None:
     """A child that dies fails a wait on it with `ChildExited` (its exit status and last
     events), not with the generic timeout the waiter would otherwise sit out."""
-    from kvlease.transports._child import ChildExited  # type: ignore[import-not-found,unused-ignore]
+    from kvlease.cli._child import ChildExited
 
     p, d = pair
     d.kill(9)
