@@ -154,8 +154,8 @@ def test_unbound_handshake_late_duplicate_after_a_pinner_restart_is_found() -> N
         without=_only("grant", "track", "deliver", "dup", "release", "restart"),
     )
     pinner_cls, accessor_cls, hole = CHECK_BUGS["unbound-handshake"]
-    t0 = time.perf_counter()
-    cx = explore(scope, pinner_cls, accessor_cls).violation
+    found = explore(scope, pinner_cls, accessor_cls)
+    cx = found.violation
     assert cx is not None, hole
     print(f"\nunbound-handshake: {hole}\n  {cx.message}\n  " + "\n  ".join(cx.schedule))
     assert len(cx.actions) <= 10
@@ -166,7 +166,8 @@ def test_unbound_handshake_late_duplicate_after_a_pinner_restart_is_found() -> N
     clean = explore(scope)
     assert clean.violation is None, clean.violation
     assert clean.depth_reached == scope.depth and not clean.truncated
-    assert time.perf_counter() - t0 < 30
+    # Cheap enough for every run, by its state count (deterministic: ~10k today), not the wall clock.
+    assert found.states + clean.states < 20_000
 
 
 def test_violation_becomes_a_vector_the_conformance_runner_replays(tmp_path: Path) -> None:
