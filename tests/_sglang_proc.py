@@ -249,7 +249,7 @@ def main() -> None:
                 import zmq
 
                 sock = zmq.Context.instance().socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 1000)
+                sock.setsockopt(zmq.LINGER, 10000)
                 sock.connect(f"tcp://127.0.0.1:{cmd['port']}")
                 for frames in cmd["messages"]:
                     sock.send_multipart([bytes.fromhex(f) for f in frames])
@@ -272,6 +272,24 @@ def main() -> None:
                     else:
                         os.environ["SGLANG_PLUGINS"] = saved
                 answer({"ok": True, "plugins": {k: f"{v[0].__module__}:{v[0].__name__}" for k, v in found.items()}})
+            elif op == "check_release_settings":  # the decode's start-up check, under given env
+                from kvlease.adapters.sglang._nixl import _check_decode_release_settings
+                from kvlease.adapters.sglang._settings import load_settings
+
+                saved = {k: os.environ.get(k) for k in cmd["env"]}
+                os.environ.update(cmd["env"])
+                try:
+                    _check_decode_release_settings(load_settings())
+                    verdict = None
+                except Exception as exc:
+                    verdict = f"{type(exc).__name__}: {exc}"
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+                answer({"ok": True, "error": verdict})
             elif op == "exit":
                 answer({"ok": True})
                 break

@@ -246,7 +246,7 @@ class LeaseNixlKVSender(NixlKVSender):  # type: ignore[misc]
     ) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         rt = getattr(mgr, "kvlease", None)
-        if rt is not None and self.conclude_state is None:
+        if rt is not None and self.conclude_state is None and not getattr(mgr, "is_dummy_cp_rank", False):
             rt.open_source(bootstrap_room)
 
     def _check_bootstrap_timeout(self) -> Any:
