@@ -33,7 +33,7 @@ MIN_KEY_BYTES: Final = 16
 _PERSON: Final = b"kvlease-frame-v2"  # 16 bytes: BLAKE2b personalization (domain separation)
 
 
-def is_sealed_frame(data: bytes) -> bool:
+def is_sealed_frame(data: bytes | bytearray | memoryview) -> bool:
     """True if `data` starts like a sealed frame (its tag may still be wrong)."""
     return data[:2] == SEALED_MAGIC
 

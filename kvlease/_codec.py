@@ -171,7 +171,7 @@ _ARITY: Final = {t: len(f) for t, f in _FIELDS.items()}
 _CLASSES: Final = {t: cls for cls, t in _MESSAGE_TYPES.items()}
 
 
-def is_native_frame(data: bytes) -> bool:
+def is_native_frame(data: bytes | bytearray | memoryview) -> bool:
     """True if `data` starts like a native kvlease frame (it may still fail to decode)."""
     return data[:2] == MAGIC
 

@@ -43,6 +43,8 @@ def test_a_sealed_frame_opens_to_the_same_message_and_costs_the_tag() -> None:
     frame = encode(HB)
     sealed = auth.seal(frame)
     assert is_sealed_frame(sealed) and len(sealed) == len(frame) + MAC_BYTES
+    assert is_sealed_frame(memoryview(sealed)) and not is_sealed_frame(memoryview(frame))
+    assert decode(auth.open(memoryview(sealed))) == HB
     assert decode(auth.open(sealed)) == HB
 
 

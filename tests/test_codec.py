@@ -171,7 +171,7 @@ def _frame(body: list[Any]) -> bytes:
 @given(MESSAGES)
 def test_every_message_round_trips(msg: Message) -> None:
     data = encode(msg)
-    assert is_native_frame(data)
+    assert is_native_frame(data) and is_native_frame(bytearray(data)) and is_native_frame(memoryview(data))
     assert decode(data) == msg
     assert decode(bytearray(data)) == msg
     assert decode(memoryview(data)) == msg
