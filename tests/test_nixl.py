@@ -2,29 +2,27 @@
 READ/WRITE transfers of registered torch tensors over UCX on loopback (UCX_NET_DEVICES=lo).
 
 Each peer is this file run as a script (``python tests/test_nixl.py pinner|accessor``): a
-`Driver` over a `NixlTransport`, stepped every millisecond, taking JSON-line commands on stdin
-and printing JSON-line events (with ``time.monotonic()``, which is system-wide on Linux, so the
-test can compare instants across processes) on stdout. Lease: 3 s (heartbeat every 0.5 s,
+`Driver` over a `NixlTransport` (from the harness's transport factory), stepped every
+millisecond in the harness's worker loop, taking JSON-line commands on stdin and printing
+JSON-line events (with ``time.monotonic()``, which is system-wide on Linux, so the test can
+compare instants across processes) on stdout; the test side is the harness's `ChildProcess`
+(``kvlease/cli/_child.py``), so a crashed peer fails its test at once. Lease: 3 s (heartbeat every 0.5 s,
 extension 2 s).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
-import queue
-import select
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+from kvlease.cli._child import ChildProcess
 
 LEASE = 3.0
 ACCESS_TIME = 0.25  # max_access_time: push guard and the window a WRITE needs
@@ -41,9 +39,12 @@ HERE = os.path.abspath(__file__)
 def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import torch
-    from kvlease.transports._base import PeerDead, PeerSuspect, TransferFailed
-    from kvlease.transports._driver import Driver, new_session
-    from kvlease.transports.nixl import NixlTransport
+    from kvlease.transports._base import (  # type: ignore[import-not-found,unused-ignore]
+        PeerDead,
+        PeerSuspect,
+        TransferFailed,
+    )
+    from kvlease.transports._driver import Driver, new_session  # type: ignore[import-not-found,unused-ignore]
 
     from kvlease import (
         AccessCompleted,
@@ -56,22 +57,18 @@ def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
         Pinner,
         Rejected,
     )
+    from kvlease.cli._child import Commands, emit, make_transport, serve
 
     config = LeaseConfig(kv_lease_duration=LEASE, max_access_time=ACCESS_TIME)
     engine_id = f"{role}-engine"
     incarnation = int.from_bytes(os.urandom(8), "big")
-    transport = NixlTransport(engine_id, 0, incarnation=incarnation)
+    transport = make_transport("nixl", engine_id, 0, incarnation=incarnation)
     if role == "pinner":
         driver = Driver(transport, pinner=Pinner(config, engine_id, incarnation), engine_ttl=LEASE)
     else:
         driver = Driver(transport, accessor=Accessor(config, engine_id, session=new_session()), engine_ttl=LEASE)
     tensors: dict[str, Any] = {}
     buffers: dict[str, Any] = {}
-
-    def emit(ev: str, **kw: Any) -> None:
-        # Prefixed: NIXL and UCX may print their own lines on stdout.
-        sys.stdout.write("@@" + json.dumps({"ev": ev, "t": time.monotonic(), **kw}) + "\n")
-        sys.stdout.flush()
 
     def sha(t: Any) -> str:
         return hashlib.sha256(t.numpy().tobytes()).hexdigest()
@@ -80,7 +77,7 @@ def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
-    def command(c: dict[str, Any]) -> None:
+    def command(c: dict[str, Any]) -> bool:
         cmd = c["cmd"]
         if cmd == "region":
             t = pattern(c["nbytes"], c["seed"])
@@ -113,15 +110,14 @@ def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
         elif cmd == "hb_count":
             emit("hb_count", n=driver.stats.heartbeats_received)
         elif cmd == "exit":
-            transport.close()
-            emit("bye")
-            sys.exit(0)
+            return False
+        return True
 
     emit("ready", address=transport.address)
     hb_seen = 0
-    stdin = sys.stdin.fileno()
-    pending = b""
-    while True:
+
+    def step() -> bool:
+        nonlocal hb_seen
         for ev in driver.step():
             match ev:
                 case Free():
@@ -139,15 +135,12 @@ def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
         if driver.stats.heartbeats_received != hb_seen:
             hb_seen = driver.stats.heartbeats_received
             emit("hb", n=hb_seen)
-        r, _, _ = select.select([stdin], [], [], 0.001)
-        if r:
-            chunk = os.read(stdin, 65536)
-            if not chunk:
-                return
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                command(json.loads(line))
+        transport.wait(0.001)
+        return True
+
+    serve(Commands(), command, step)
+    transport.close()
+    emit("bye")
 
 
 # ------------------------------------------------------------------------------------------
@@ -155,68 +148,40 @@ def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
 # ------------------------------------------------------------------------------------------
 
 
-class Peer:
-    """A peer process: send commands, wait for events."""
+class Peer(ChildProcess):
+    """A peer process (the harness's `ChildProcess`): send commands, wait for events. `wait`
+    takes an event: a second wait for the same kind returns the next one."""
 
     def __init__(self, role: str) -> None:
-        env = dict(os.environ, UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
         self.role = role
-        self.proc = subprocess.Popen(
-            [sys.executable, HERE, role], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        self._taken: set[int] = set()
+        super().__init__(
+            [sys.executable, HERE, role], name=role, env=dict(os.environ, UCX_NET_DEVICES="lo", PYTHONUNBUFFERED="1")
         )
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.log: list[dict[str, Any]] = []
-        threading.Thread(target=self._reader, daemon=True).start()
-        self.address = self.wait("ready", timeout=60)["address"]
-
-    def _reader(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(b"@@"):
-                self.events.put(json.loads(line[2:]))
-            else:
-                sys.stderr.write(f"[{self.role}] {line.decode(errors='replace')}")
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
+        self.address = self.ready["address"]
 
     def wait(
         self, ev: str, timeout: float = 10.0, match: Callable[[dict[str, Any]], bool] | None = None
     ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            for e in self.log:
-                if e["ev"] == ev and (match is None or match(e)) and not e.get("_taken"):
-                    e["_taken"] = True
-                    return e
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{self.role}: no {ev!r} within {timeout} s; saw {self.log[-12:]}")
-            with contextlib.suppress(queue.Empty):
-                self.log.append(self.events.get(timeout=left))
+        def untaken(e: dict[str, Any]) -> bool:
+            return e["ev"] == ev and id(e) not in self._taken and (match is None or match(e))
 
-    def drain(self) -> None:
-        while True:
-            try:
-                self.log.append(self.events.get_nowait())
-            except queue.Empty:
-                return
+        found = self.wait_for(untaken, timeout)
+        self._taken.add(id(found))
+        return found
 
     def seen(self, ev: str, key: str | None = None) -> list[dict[str, Any]]:
-        self.drain()
-        return [e for e in self.log if e["ev"] == ev and (key is None or e.get("key") == key)]
+        return self.find(lambda e: e["ev"] == ev and (key is None or e.get("key") == key))
 
     def kill(self, sig: int = signal.SIGKILL) -> float:
-        t = time.monotonic()
-        self.proc.send_signal(sig)
-        return t
+        return super().kill(sig)
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
+    def close(self, exit_command: dict[str, Any] | None = None, grace: float = 0.0) -> None:
+        super().close(exit_command, grace)
+
+
+def _key_is(key: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: bool(e.get("key") == key)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -295,7 +260,7 @@ def test_overload_holds_leases_for_three_lease_durations(pair: tuple[Peer, Peer]
     accessor.send(cmd="write", key="slow-push", region="r-push", nbytes=nbytes, seed=5)
     accessor.wait("completed", match=lambda e: e["key"] == "slow-push")
     for key in ("slow-pull", "slow-push"):
-        assert pinner.wait("free", match=lambda e, k=key: e["key"] == k)["reason"] == "access_done"
+        assert pinner.wait("free", match=_key_is(key))["reason"] == "access_done"
     print(f"\nheld {time.monotonic() - held_from:.1f} s (>= 3 x {LEASE} s lease) with nothing freed")
 
 
@@ -311,7 +276,7 @@ def test_accessor_crash_frees_within_bound(pair: tuple[Peer, Peer]) -> None:
     extension, interval = LEASE * 2 / 3, LEASE / 6
     push_guard = ACCESS_TIME * (1 + 1e-4)
     for key, guard in (("c-pull", 0.0), ("c-push", push_guard)):
-        free = pinner.wait("free", timeout=10, match=lambda e, k=key: e["key"] == k)
+        free = pinner.wait("free", timeout=10, match=_key_is(key))
         assert free["reason"] == "expired"
         last_hb = max(e["t"] for e in pinner.seen("hb") if e["t"] <= killed + 0.1)
         since_hb = free["t"] - last_hb
@@ -331,7 +296,7 @@ def test_pinner_crash_accessor_reports_lost(pair: tuple[Peer, Peer]) -> None:
     killed = pinner.kill(signal.SIGKILL)
     pinner.proc.wait(timeout=10)
     for key in ("p-pull", "p-push"):
-        lost = accessor.wait("lost", timeout=2 * LEASE, match=lambda e, k=key: e["key"] == k)
+        lost = accessor.wait("lost", timeout=2 * LEASE, match=_key_is(key))
         print(f"\n{key}: accessor reported lost ({lost['reason']}) {lost['t'] - killed:.3f} s after the pinner died")
         # Given up one lease duration after the last acknowledged heartbeat was sent.
         assert lost["t"] - killed <= LEASE + STEP_SLACK
