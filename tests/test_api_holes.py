@@ -76,6 +76,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import attrs
 import pytest
@@ -157,13 +158,30 @@ def p(t: float) -> LocalTime:
 # -- the network ---------------------------------------------------------------------------------
 
 
-def wire(msg: Message) -> Message:
+M = TypeVar("M", bound=Message)
+
+
+def wire(msg: M) -> M:
     """Put a message on the wire and take it off again (every delivery goes through this)."""
-    return decode(encode(msg))
+    out = decode(encode(msg))
+    assert isinstance(out, type(msg)), (msg, out)
+    return out
 
 
 def sends(outs: Iterable[object], kind: type | None = None) -> list[Send]:
     return [o for o in outs if isinstance(o, Send) and (kind is None or isinstance(o.message, kind))]
+
+
+def messages(outs: Iterable[object], kind: type[M]) -> list[M]:
+    """The messages of kind `kind` that `outs` send."""
+    return [o.message for o in outs if isinstance(o, Send) and isinstance(o.message, kind)]
+
+
+def outcomes(verdicts: Iterable[Send]) -> list[AccessOutcome]:
+    """The outcomes of access-done verdicts (every one must be an AccessDoneAck)."""
+    acks = [v.message for v in verdicts]
+    assert all(isinstance(m, AccessDoneAck) for m in acks), acks
+    return [m.outcome for m in acks if isinstance(m, AccessDoneAck)]
 
 
 def not_sends(outs: Iterable[object]) -> list[object]:
@@ -178,7 +196,7 @@ def handshake(acc: Accessor, outs: Iterable[object], pinner: Pinner, a_t: LocalT
     """Answer the accessor's HandshakeNeeded (in `outs`) with `pinner` and deliver the reply."""
     (hs,) = [o for o in outs if isinstance(o, HandshakeNeeded)]
     reply = pinner.handshake_reply(p_t, hs.message)
-    return list(acc.handshake_reply(a_t, wire(reply)))  # type: ignore[arg-type]
+    return list(acc.handshake_reply(a_t, wire(reply)))
 
 
 def heartbeat_round(
@@ -389,7 +407,7 @@ def test_3_reply_to_another_accessors_handshake_skews_fixed_ttl_deadline(session
     reply_for_b = pin.handshake_reply(p(10.0), other.handshake(b(100.0), PIN).message)
     assert (reply_for_b.to_rank, reply_for_b.seq) == (acc.rank, 1)  # same rank, same first seq as A's
     # B's real reply reaches A at a(110) (t_echo = b(100) reads a(110): passes "t_echo <= now").
-    refused = list(acc.handshake_reply(a(110.0), wire(reply_for_b)))  # type: ignore[arg-type]
+    refused = list(acc.handshake_reply(a(110.0), wire(reply_for_b)))
     if sessions == "distinct":
         (rej,) = refused  # v2: addressed to B's session
         assert isinstance(rej, Rejected) and "session" in rej.reason
@@ -421,7 +439,7 @@ def test_3b_late_duplicate_reply_of_old_incarnation_changes_nothing() -> None:
     (hs1,) = acc.track(a(100.0), "k1", tk1)
     assert isinstance(hs1, HandshakeNeeded)
     old_reply = old.handshake_reply(p(10.0), hs1.message)  # the network will duplicate this one
-    assert acc.handshake_reply(a(100.0), wire(old_reply)) == ()  # type: ignore[arg-type]
+    assert acc.handshake_reply(a(100.0), wire(old_reply)) == ()
     assert heartbeat_round(acc, [old], a(100.0), p(10.0)) == []
     # The pinner restarts with a new incarnation and grants a new lease.
     new = make_pinner(CFG, PIN, INC2)
@@ -429,14 +447,14 @@ def test_3b_late_duplicate_reply_of_old_incarnation_changes_nothing() -> None:
     out = acc.track(a(110.0), "k2", tk2)  # other incarnation: A re-handshakes
     # A first duplicate of the old reply arrives while the new handshake is outstanding: it
     # answers an earlier, already answered handshake, so it changes nothing.
-    assert acc.handshake_reply(a(110.0), wire(old_reply)) == ()  # type: ignore[arg-type]
+    assert acc.handshake_reply(a(110.0), wire(old_reply)) == ()
     assert acc.state_of("k1") is acc.state_of("k2") is TrackedState.WAITING
     assert handshake(acc, out, new, a(110.0), p(20.0)) == [LeaseLost("k1", tk1.lease_id, LostReason.PINNER_RESTARTED)]
     assert heartbeat_round(acc, [new], a(110.0), p(20.0)) == []
     before = (acc.state_of("k2"), acc.valid_until("k2"), acc.is_connected(PIN))
     assert before[0] is TrackedState.WAITING and before[1] is not None and before[2]
     # The late duplicate of the OLD incarnation's reply arrives at a(111).
-    stale_out = list(acc.handshake_reply(a(111.0), wire(old_reply)))  # type: ignore[arg-type]
+    stale_out = list(acc.handshake_reply(a(111.0), wire(old_reply)))
     assert_not_lost(stale_out, "k2", "a stale handshake reply of the old incarnation dropped a live lease")
     assert stale_out == []  # v2: the first accepted reply retired every earlier handshake
     after = (acc.state_of("k2"), acc.valid_until("k2"), acc.is_connected(PIN))
@@ -462,10 +480,11 @@ def test_4_old_ack_after_disconnect_validates_a_lease_the_pinner_never_renewed()
     assert handshake(acc, acc.track(a(100.0), "k2", tk2), pin, a(100.0), p(10.0)) == []
     # A heartbeats L2, t_send a(100) again. This heartbeat is lost.
     (hb2,) = sends(acc.handle_timeout(a(100.0)), Heartbeat)
-    assert hb2.message.lease_ids == (tk2.lease_id,)  # type: ignore[union-attr]
+    assert isinstance(hb1.message, Heartbeat) and isinstance(hb2.message, Heartbeat)
+    assert hb2.message.lease_ids == (tk2.lease_id,)
     # v2: the seq did not restart after the disconnect (v1 reused seq 1 here).
-    assert hb2.message.seq > hb1.message.seq  # type: ignore[union-attr]
-    assert hb2.message.t_send == hb1.message.t_send  # type: ignore[union-attr]
+    assert hb2.message.seq > hb1.message.seq
+    assert hb2.message.t_send == hb1.message.t_send
     # The held ack of the OLD heartbeat arrives: t_echo == the new t_send, but another seq.
     events: list[object] = list(acc.receive(a(100.0), wire(old_ack.message)))
     assert events == [] and acc.valid_until("k2") is None
@@ -494,7 +513,8 @@ def test_4b_sibling_accessor_ranks_ack_is_accepted(sessions: str) -> None:
     # A1 heartbeats L1 (t_send a(100)): P renews L1 and acks to accessor rank 1...
     (hb1,) = sends(a1.handle_timeout(a(100.0)), Heartbeat)
     # (Both heartbeats carry the same seq and t_send, and one id each.)
-    assert (hb0.message.seq, hb0.message.t_send) == (hb1.message.seq, hb1.message.t_send)  # type: ignore[union-attr]
+    assert isinstance(hb0.message, Heartbeat) and isinstance(hb1.message, Heartbeat)
+    assert (hb0.message.seq, hb0.message.t_send) == (hb1.message.seq, hb1.message.t_send)
     (ack1,) = sends(pin.receive(p(10.0), wire(hb1.message)))
     assert isinstance(ack1.message, HeartbeatAck) and ack1.message.to_rank == 1 and ack1.rank == 1
     # ...but the ack is delivered to accessor rank 0.
@@ -576,7 +596,7 @@ def test_5b_ok_verdict_of_failed_attempt_completes_the_retry(posted: bool) -> No
     free = free_of(p_out, tk.lease_id)
     assert free is not None
     verdicts = sends(p_out, AccessDoneAck)
-    assert [v.message.attempt for v in verdicts] == [d1.notification.attempt]  # type: ignore[union-attr]
+    assert [m.attempt for m in messages(p_out, AccessDoneAck)] == [d1.notification.attempt]
     # The OK verdict reaches A while attempt 1 is still in flight.
     events: list[object] = []
     for s in verdicts:
@@ -745,7 +765,8 @@ def test_8a_heartbeat_at_expiry_reports_expired_not_renewed() -> None:
     (hb,) = sends(acc.handle_timeout(a(100.0)), Heartbeat)
     (ack,) = sends(pin.receive(p(30.0), wire(hb.message)), HeartbeatAck)
     # Spec 3: "expired at pinner time now iff now >= expiry": must be reported expired, not renewed.
-    assert ack.message.renewed == 0 and tk.lease_id in ack.message.expired, (  # type: ignore[union-attr]
+    assert isinstance(ack.message, HeartbeatAck)
+    assert ack.message.renewed == 0 and tk.lease_id in ack.message.expired, (
         f"UNSAFE: heartbeat handled at expiry renewed the lease: {ack.message}"
     )
     info = pin.info(tk.lease_id)
@@ -761,7 +782,7 @@ def test_8a2_confirmed_access_done_at_expiry_is_not_ok() -> None:
     d = acc.begin_access(a(100.5), "k")
     assert d.allowed and d.notification is not None and d.notification.confirm
     outs = pin.receive(p(30.0), wire(d.notification))
-    verdicts = [s.message.outcome for s in sends(outs, AccessDoneAck)]  # type: ignore[union-attr]
+    verdicts = [m.outcome for m in messages(outs, AccessDoneAck)]
     # Spec 5.7: OK iff the lease was ACTIVE when handled; at now >= expiry it is expired.
     assert verdicts and AccessOutcome.OK not in verdicts, f"UNSAFE: AccessDone at expiry answered {verdicts}"
     assert verdicts == [AccessOutcome.STALE] and free_of(outs, tk.lease_id) is None  # expiry frees it
@@ -868,4 +889,4 @@ def test_9_restarted_accessor_gets_ok_from_the_tombstone_for_a_read_after_the_fr
         events += again.receive(a(111.0), wire(s.message))
     # The read began ten seconds after the free: it must not be reported done.
     assert_no_stale_completion(free, events, "k", "a restarted accessor was confirmed from the tombstone")
-    assert [s.message.outcome for s in verdicts] == [AccessOutcome.STALE]  # type: ignore[union-attr]
+    assert outcomes(verdicts) == [AccessOutcome.STALE]
