@@ -10,7 +10,8 @@ Prints one table, in one run:
   the access-done notification on the path), interleaved rep by rep, as medians and a ratio.
   Target: kvlease adds < 1 % to the transfer time.
 
-The peer is this file run with ``--serve echo`` or ``--serve pin``. UCX stays on loopback
+The peer is this file run with ``--serve echo`` or ``--serve pin``, on the child-process harness
+(``kvlease/cli/_child.py``: its worker loop, transport factory and ``ChildProcess``). UCX stays on loopback
 (``UCX_NET_DEVICES=lo``). A benchmark, not a test: it asserts nothing.
 Run: ``.venv/bin/python bench/transport_nixl.py [--reps-1m 200 --reps-64m 20]``.
 Run time: about 1 minute, mostly NIXL start-up (``--quick``: about 50 s).
@@ -21,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
+
+from kvlease.cli._child import ChildProcess, make_transport
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -34,99 +35,76 @@ LEASE = 30.0
 SIZES = {"r1m": 1 << 20, "r64m": 64 << 20}
 
 
-def _out(obj: dict[str, Any]) -> None:
-    sys.stdout.write("@@" + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def serve(role: str) -> None:
+def serve_peer(role: str) -> None:
     """The peer process: `echo` bounces notifications; `pin` grants leases on two tensors."""
     import torch
-    from kvlease.transports._base import HandshakeRequest
-    from kvlease.transports._driver import Driver
-    from kvlease.transports.nixl import NixlTransport
+    from kvlease.transports._base import HandshakeRequest  # type: ignore[import-not-found,unused-ignore]
+    from kvlease.transports._driver import Driver  # type: ignore[import-not-found,unused-ignore]
 
     from kvlease import LeaseConfig, Pinner
+    from kvlease.cli._child import Commands, emit, make_transport, serve
 
-    tr = NixlTransport(f"bench-{role}")
+    tr = make_transport("nixl", f"bench-{role}")
     driver = None
     if role == "pin":
         pinner = Pinner(LeaseConfig(kv_lease_duration=LEASE), tr.engine_id, 7)
         driver = Driver(tr, pinner=pinner)
         for name, n in SIZES.items():
             tr.register(name, torch.randint(0, 256, (n,), dtype=torch.uint8))
-    _out({"ev": "ready", "address": tr.address})
-    stdin = sys.stdin.fileno()
-    pending = b""
+    emit("ready", address=tr.address)
     count = 0
-    while True:
-        if driver is not None:
-            driver.step()
-        else:
-            for hev in tr.poll_handshakes():
-                if isinstance(hev, HandshakeRequest):
-                    tr.answer_handshake(hev.token, hev.data)
-            for m in tr.receive():
-                if m.data == b"count?":
-                    tr.send(m.engine_id, m.rank, str(count).encode())
-                    count = 0
-                elif m.data[:1] == b"f":  # flood: count only
-                    count += 1
-                else:
-                    tr.send(m.engine_id, m.rank, m.data)
-            tr.progress()
-            # Echo mode busy-polls (a peer's queue is drained at once): the round trip then
-            # measures NIXL, not this loop's nap.
-            r, _, _ = select.select([stdin], [], [], 0)
-            if not r:
-                continue
-        r, _, _ = select.select([stdin], [], [], 0 if driver is None else 0.0005)
-        if not r:
-            continue
-        chunk = os.read(stdin, 65536)
-        if not chunk:
-            return
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            cmd = json.loads(line)
-            if cmd["cmd"] == "grant" and driver is not None:
-                tickets = [
-                    driver.grant(f"{cmd['region']}-{cmd['base'] + i}", nbytes=SIZES[cmd["region"]]).to_dict()
-                    for i in range(cmd["n"])
-                ]
-                _out({"ev": "tickets", "tickets": tickets})
-            elif cmd["cmd"] == "exit":
-                tr.close()
-                return
+
+    def echo() -> bool:
+        # Echo mode busy-polls (a peer's queue is drained at once): the round trip then
+        # measures NIXL, not this loop's nap.
+        nonlocal count
+        for hev in tr.poll_handshakes():
+            if isinstance(hev, HandshakeRequest):
+                tr.answer_handshake(hev.token, hev.data)
+        for m in tr.receive():
+            if m.data == b"count?":
+                tr.send(m.engine_id, m.rank, str(count).encode())
+                count = 0
+            elif m.data[:1] == b"f":  # flood: count only
+                count += 1
+            else:
+                tr.send(m.engine_id, m.rank, m.data)
+        tr.progress()
+        return True
+
+    def pin() -> bool:
+        assert driver is not None
+        driver.step()
+        time.sleep(0.0005)
+        return True
+
+    def command(cmd: dict[str, Any]) -> bool:
+        if cmd["cmd"] == "grant" and driver is not None:
+            tickets = [
+                driver.grant(f"{cmd['region']}-{cmd['base'] + i}", nbytes=SIZES[cmd["region"]]).to_dict()
+                for i in range(cmd["n"])
+            ]
+            emit("tickets", tickets=tickets)
+        return bool(cmd["cmd"] != "exit")
+
+    serve(Commands(), command, echo if driver is None else pin)
+    tr.close()
 
 
-class Peer:
+class Peer(ChildProcess):
     def __init__(self, role: str) -> None:
-        self.proc = subprocess.Popen(
+        super().__init__(
             [sys.executable, os.path.abspath(__file__), "--serve", role],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ, UCX_NET_DEVICES="lo"),
+            name=f"bench-{role}",
+            env=dict(os.environ, UCX_NET_DEVICES="lo"),
         )
-        self.address = self.read()["address"]
+        self.address = self.ready["address"]
 
     def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(b"@@"):
-                return dict(json.loads(line[2:]))
-        raise RuntimeError("peer exited")
+        return self.next()
 
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        self.send(cmd="exit")
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    def close(self, exit_command: dict[str, Any] | None = None, grace: float = 10.0) -> None:
+        super().close({"cmd": "exit"} if exit_command is None else exit_command, grace)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -135,13 +113,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def bench_notifications(rtt_n: int, flood_n: int) -> dict[str, float]:
-    from kvlease.transports._base import HandshakeResponse
-    from kvlease.transports.nixl import NixlTransport
+    from kvlease.transports._base import HandshakeResponse  # type: ignore[import-not-found,unused-ignore]
 
     from kvlease import Heartbeat, LocalTime, encode
 
     peer = Peer("echo")
-    tr = NixlTransport("bench-client")
+    tr = make_transport("nixl", "bench-client")
     try:
         tr.request_handshake("bench-echo", peer.address, b"hello")
         while not any(isinstance(e, HandshakeResponse) for e in tr.poll_handshakes()):
@@ -211,13 +188,12 @@ def _leased_read(driver: Any, key: str, region: str, into: Any) -> float:
 
 def bench_reads(reps: dict[str, int]) -> dict[str, dict[str, float]]:
     import torch
-    from kvlease.transports._driver import Driver, new_session
-    from kvlease.transports.nixl import NixlTransport
+    from kvlease.transports._driver import Driver, new_session  # type: ignore[import-not-found,unused-ignore]
 
     from kvlease import Accessor, LeaseConfig, LeaseTicket
 
     peer = Peer("pin")
-    tr = NixlTransport("bench-reader")
+    tr = make_transport("nixl", "bench-reader")
     driver = Driver(tr, accessor=Accessor(LeaseConfig(kv_lease_duration=LEASE), "bench-reader", session=new_session()))
     results: dict[str, dict[str, float]] = {}
     try:
@@ -275,7 +251,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve_peer(args.serve)
         return
     import logging
 

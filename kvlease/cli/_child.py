@@ -94,6 +94,8 @@ class ChildProcess:
         if ready is not None:
             try:
                 self.ready = self.wait_for(lambda e: e["ev"] == ready, timeout=ready_timeout)
+                with self._cond:
+                    self._cursor = self.events.index(self.ready) + 1
             except BaseException:
                 self.close()
                 raise
@@ -172,7 +174,7 @@ class ChildProcess:
         raise ChildExited(self._why("exited without the awaited event"))
 
     def next(self, timeout: float = 60.0) -> Event:
-        """The next event not yet returned by `next` (in arrival order)."""
+        """The next event (in arrival order) not yet returned by `next`, after `ready`."""
         ev = self.wait_for(lambda e: True, timeout, start=self._cursor)
         with self._cond:
             self._cursor = self.events.index(ev, self._cursor) + 1
