@@ -215,59 +215,71 @@ def test_track_on_a_connected_engine_heartbeats_the_new_id_at_once() -> None:
     assert send.rank == 0 and send.message.session == SESSION
 
 
-def _reply_fields(hs: Handshake) -> dict[str, object]:
-    return {
-        "engine_id": PIN,
-        "rank": 0,
-        "ranks": 1,
-        "incarnation": INC,
-        "version": PROTOCOL_VERSION,
-        "capabilities": 7,
-        "max_message_bytes": 1024,
-        "to_rank": hs.rank,
-        "to_session": hs.session,
-        "seq": hs.seq,
-        "t_echo": PeerTime(hs.t_send),
-        "t_recv": PeerTime(P_EPOCH),
-        "t_send": PeerTime(P_EPOCH),
-    }
+class ReplyChanges(TypedDict, total=False):
+    """Fields of a handshake reply that a test changes."""
+
+    engine_id: str
+    ranks: int
+    version: int
+    to_rank: int
+    to_session: int
+    seq: int
+    t_echo: PeerTime
+    t_recv: PeerTime
+    t_send: PeerTime
+
+
+def _reply_to(hs: Handshake, *, ranks: int = 1) -> HandshakeReply:
+    """The reply rank 0 of a pinner of `ranks` ranks gives to `hs`, built by hand."""
+    return HandshakeReply(
+        engine_id=PIN,
+        rank=0,
+        ranks=ranks,
+        incarnation=INC,
+        version=PROTOCOL_VERSION,
+        capabilities=7,
+        max_message_bytes=1024,
+        to_rank=hs.rank,
+        to_session=hs.session,
+        seq=hs.seq,
+        t_echo=PeerTime(hs.t_send),
+        t_recv=PeerTime(P_EPOCH),
+        t_send=PeerTime(P_EPOCH),
+    )
 
 
 @pytest.mark.parametrize(
     ("reply_kw", "why"),
     [
-        ({"version": PROTOCOL_VERSION + 1}, "version"),
-        ({"t_recv": PeerTime(P_EPOCH + 1)}, "impossible"),  # received after it was sent
-        ({"t_send": PeerTime(2.0**33)}, "impossible"),  # beyond MAX_TIME
-        ({"ranks": 3}, "uneven"),  # 3 pinner ranks, 2 accessor ranks: no layout
-        ({"to_rank": 0}, "rank 0"),  # addressed to the sibling rank
-        ({"to_session": SESSION + 1}, f"session {SESSION + 1}"),  # addressed to another session
+        (ReplyChanges(version=PROTOCOL_VERSION + 1), "version"),
+        (ReplyChanges(t_recv=PeerTime(P_EPOCH + 1)), "impossible"),  # received after it was sent
+        (ReplyChanges(t_send=PeerTime(2.0**33)), "impossible"),  # beyond MAX_TIME
+        (ReplyChanges(ranks=3), "uneven"),  # 3 pinner ranks, 2 accessor ranks: no layout
+        (ReplyChanges(to_rank=0), "rank 0"),  # addressed to the sibling rank
+        (ReplyChanges(to_session=SESSION + 1), f"session {SESSION + 1}"),  # addressed to another session
     ],
 )
-def test_bad_handshake_replies_are_rejected(reply_kw: dict[str, object], why: str) -> None:
+def test_bad_handshake_replies_are_rejected(reply_kw: ReplyChanges, why: str) -> None:
     acc = _accessor(rank=1, ranks=2)
     (hn,) = acc.track(_a(0), "k", LeaseTicket(PIN, INC, 1, ranks=2))
     assert isinstance(hn, HandshakeNeeded)
-    fields = _reply_fields(hn.message) | {"ranks": 2}
-    fields.update(reply_kw)
-    (rej,) = acc.handshake_reply(_a(1), HandshakeReply(**fields))  # type: ignore[arg-type]
+    good = _reply_to(hn.message, ranks=2)
+    (rej,) = acc.handshake_reply(_a(1), attrs.evolve(good, **reply_kw))
     assert isinstance(rej, Rejected) and why in rej.reason and not acc.is_connected(PIN)
     # A refused reply does not retire the handshake: the genuine answer still connects.
-    good = HandshakeReply(**(_reply_fields(hn.message) | {"ranks": 2}))  # type: ignore[arg-type]
     assert acc.handshake_reply(_a(1), good) == () and acc.is_connected(PIN)
 
 
 @pytest.mark.parametrize(
     "reply_kw",
-    [{"seq": 99}, {"t_echo": PeerTime(A_EPOCH - 1)}, {"engine_id": "stranger"}],
+    [ReplyChanges(seq=99), ReplyChanges(t_echo=PeerTime(A_EPOCH - 1)), ReplyChanges(engine_id="stranger")],
     ids=["unknown-seq", "forged-echo", "other-engine"],
 )
-def test_handshake_replies_that_answer_no_handshake_of_ours_change_nothing(reply_kw: dict[str, object]) -> None:
+def test_handshake_replies_that_answer_no_handshake_of_ours_change_nothing(reply_kw: ReplyChanges) -> None:
     acc = _accessor()
     (hn,) = acc.track(_a(0), "k", LeaseTicket(PIN, INC, 1))
     assert isinstance(hn, HandshakeNeeded)
-    fields = _reply_fields(hn.message) | reply_kw
-    assert acc.handshake_reply(_a(1), HandshakeReply(**fields)) == ()  # type: ignore[arg-type]
+    assert acc.handshake_reply(_a(1), attrs.evolve(_reply_to(hn.message), **reply_kw)) == ()
     assert not acc.is_connected(PIN) and acc.state_of("k") is TrackedState.WAITING
 
 
@@ -299,11 +311,12 @@ def test_ack_with_other_incarnation_means_the_pinner_restarted() -> None:
     w = Wire()
     w.connect("a")
     (send,) = w.acc.handle_timeout(_a(0))
-    assert isinstance(send.message, Heartbeat)  # type: ignore[union-attr]
-    hb = send.message  # type: ignore[union-attr]
+    assert isinstance(send, Send) and isinstance(send.message, Heartbeat)
+    hb = send.message
     restarted = Pinner(CFG, PIN, INC + 1)
     (ack,) = restarted.receive(_p(0), hb)
-    out = w.acc.receive(_a(0.01), ack.message)  # type: ignore[union-attr]
+    assert isinstance(ack, Send)
+    out = w.acc.receive(_a(0.01), ack.message)
     assert out == (LeaseLost("a", 1, LostReason.PINNER_RESTARTED),)
     assert not w.acc.is_connected(PIN)
 
@@ -375,7 +388,7 @@ def test_missing_lease_in_ack(field: str, state: str) -> None:
     if state == "confirming":
         # ...and the access finishes before the ack comes back.
         out = w.acc.access_finished(_a(w.t), "k")  # never acknowledged: must be confirmed
-        assert isinstance(out[0], Send) and out[0].message.confirm  # type: ignore[union-attr]
+        assert isinstance(out[0], Send) and isinstance(out[0].message, AccessDone) and out[0].message.confirm
         assert w.acc.state_of("k") is TrackedState.CONFIRMING
     ack = _ack_listing(hb, w.t, tk.lease_id, field)
     out = w.acc.receive(_a(w.t + 0.01), ack)
@@ -402,7 +415,8 @@ def test_acks_that_cannot_be_trusted_are_ignored_or_rejected() -> None:
     w = Wire()
     w.connect("k")
     (send,) = w.acc.handle_timeout(_a(0))
-    hb = send.message  # type: ignore[union-attr]
+    assert isinstance(send, Send)
+    hb = send.message
     assert isinstance(hb, Heartbeat)
     good = _ack(hb, 0, 1)
     forged = attrs.evolve(good, t_echo=PeerTime(hb.t_send - 1))
@@ -662,7 +676,9 @@ def test_access_failed_posted_gives_the_lease_up_with_a_release_to_every_target(
     assert out == (Send(PIN, 0, rel), Send(PIN, 1, rel), LeaseLost("k", tk.lease_id, LostReason.ACCESS_FAILED))
     assert acc.state_of("k") is None and not acc.begin_access(_a(0.3), "k").allowed
     for r, pin in enumerate(pins):
-        (free,) = pin.receive(_p(0.3), out[r].message)  # type: ignore[union-attr]
+        release = out[r]
+        assert isinstance(release, Send)
+        (free,) = pin.receive(_p(0.3), release.message)
         assert isinstance(free, Free) and free.reason is EndReason.RELEASED
     with pytest.raises(LocalProtocolError, match="fresh lease"):
         acc.track(_a(0.4), "k", tk)
@@ -1046,7 +1062,8 @@ def test_outstanding_heartbeats_are_bounded() -> None:
     for i in range(4):
         w.t = i * cfg.heartbeat_interval
         (s,) = w.acc.handle_timeout(_a(w.t))
-        sends.append(s.message)  # type: ignore[union-attr]
+        assert isinstance(s, Send)
+        sends.append(s.message)
     # The oldest rounds were forgotten: their acks carry nothing.
     old = sends[0]
     assert isinstance(old, Heartbeat)
@@ -1186,10 +1203,12 @@ def test_confirmation_needs_every_pinner_rank() -> None:
     acc.handshake_reply(_a(0), pinners[0].handshake_reply(_p(0), _handshake_of(hs)))
     acc.begin_access(_a(0), "k")  # never acknowledged: the access must be confirmed
     sends = [o for o in acc.access_finished(_a(0.1), "k") if isinstance(o, Send)]
-    assert sorted(s.rank for s in sends) == [0, 1]  # type: ignore[type-var]
-    acks = [pinners[s.rank].receive(_p(0.1), s.message)[-1] for s in sends]  # type: ignore[index]
-    assert acc.receive(_a(0.2), acks[0].message) == ()  # type: ignore[union-attr]
-    (done,) = acc.receive(_a(0.2), acks[1].message)  # type: ignore[union-attr]
+    ranks = [s.rank for s in sends if s.rank is not None]
+    assert sorted(ranks) == [0, 1] and len(ranks) == len(sends)
+    acks = [pinners[rank].receive(_p(0.1), s.message)[-1] for rank, s in zip(ranks, sends, strict=True)]
+    assert isinstance(acks[0], Send) and isinstance(acks[1], Send)
+    assert acc.receive(_a(0.2), acks[0].message) == ()
+    (done,) = acc.receive(_a(0.2), acks[1].message)
     assert done == AccessCompleted("k", 5, confirmed_by_pinner=True)
 
 
@@ -1197,7 +1216,8 @@ def test_restart_seen_in_an_ack_spares_leases_of_the_new_incarnation() -> None:
     w = Wire()
     w.connect("old")
     (send,) = w.acc.handle_timeout(_a(0))
-    hb = send.message  # type: ignore[union-attr]
+    assert isinstance(send, Send)
+    hb = send.message
     assert isinstance(hb, Heartbeat)
     # A ticket of the new incarnation arrives before the ack that reveals the restart.
     w.acc.track(_a(0.05), "new", LeaseTicket(PIN, INC + 1, 1))
@@ -1249,8 +1269,8 @@ def test_verdict_on_the_attached_notification_may_arrive_before_the_transfer_is_
     assert decision.targets == (0,)
     # The pinner handles the attached notification (after the data landed) and answers.
     replies = w.pinner.receive(_p(0.01), decision.notification)
-    acks = [r for r in replies if isinstance(r, Send) and isinstance(r.message, AccessDoneAck)]
-    assert len(acks) == 1 and acks[0].message.outcome is AccessOutcome.OK  # type: ignore[union-attr]
+    acks = [r.message for r in replies if isinstance(r, Send) and isinstance(r.message, AccessDoneAck)]
+    assert len(acks) == 1 and acks[0].outcome is AccessOutcome.OK
     early = AccessDoneAck(PIN, 0, INC, 0, SESSION, tk.lease_id, decision.notification.attempt, outcome)
     assert w.acc.receive(_a(0.02), early) == ()  # still accessing: kept, nothing decided yet
     assert w.acc.state_of("k") is TrackedState.ACCESSING
