@@ -214,15 +214,20 @@ def test_abort_while_writing_never_lands_in_reused_pages(cluster: Cluster) -> No
         freed = c.d.call("wait_release_safe", room=room, within=E + G + SLACK + 2)
         assert freed["safe"], "D's destination lease never ended"
         c.d.call("canary", pages=dst, value=77)
-        c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=10)
+        # Until the straggler has posted its WRITE (it was allowed to start: it will land).
+        deadline = time.time() + 10
         posts = c.p1.call("posts")["posts"]
+        while not (posts and posts[-1] > t_abort) and time.time() < deadline:
+            time.sleep(0.05)
+            posts = c.p1.call("posts")["posts"]
+        c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=10)
     finally:
         c.p1.call("slow_post", seconds=0.0)
     assert posts and posts[-1] > t_abort, "the WRITE was meant to be posted after the abort"
-    assert freed["t"] > posts[-1], "D freed its pages before the late WRITE was even posted"
-    time.sleep(0.3)
+    time.sleep(0.3)  # it has landed by now (a few pages over loopback)
     pages = c.d.call("pages", pages=dst)["pages"]
     assert all(pages[str(p)] == [[77], [77]] for p in dst), f"the canary was overwritten: {pages}"
+    assert freed["t"] > posts[-1], "D freed its pages before the late WRITE was even posted"
     st = c.d.call("wait", room=room, statuses=["Failed"], within=5)
     assert st["status"] == "Failed", st
     c.p1.call("clear", room=room)
