@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import given
@@ -32,6 +33,9 @@ from kvlease import (
     is_sealed_frame,
 )
 from kvlease._codec import heartbeat_id_budget, split_ids
+
+if TYPE_CHECKING:  # the transports load only where a test uses them
+    from kvlease.transports import Driver
 
 K1 = bytes(range(16))
 K2 = bytes(range(100, 132))
@@ -100,7 +104,7 @@ def test_only_native_frames_are_sealed() -> None:
 )
 def test_config_refuses_malformed_key_sources_naming_the_setting(value: object) -> None:
     with pytest.raises(ConfigError, match="auth_keys"):
-        LeaseConfig(auth_keys=value)  # type: ignore[arg-type]
+        LeaseConfig(auth_keys=value)  # type: ignore[arg-type]  # malformed on purpose
 
 
 def test_the_tag_counts_against_the_message_bound() -> None:
@@ -147,12 +151,12 @@ def test_load_frame_auth_reads_env_and_file_and_names_the_setting(
 zmq = pytest.importorskip("zmq")
 
 
-def _pump(drivers: list[object], until: Callable[[], bool], timeout: float = 5.0) -> None:
+def _pump(drivers: list[Driver], until: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not until():
         assert time.monotonic() < deadline, "condition not reached"
         for d in drivers:
-            d.step()  # type: ignore[attr-defined]
+            d.step()
         time.sleep(0.001)
 
 

@@ -13,7 +13,7 @@ import pickle
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import msgpack
@@ -158,6 +158,16 @@ def _wire(name: str, v: Any) -> Any:
 def _body(msg: Message) -> list[Any]:
     """The spec's frame body: [version, type, every field in constructor order]."""
     return [PROTOCOL_VERSION, TYPES[type(msg)], *(_wire(f.name, getattr(msg, f.name)) for f in attrs.fields(type(msg)))]
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _decode_as(data: bytes, kind: type[M]) -> M:
+    """`decode(data)`, which must be a `kind`."""
+    msg = decode(data)
+    assert isinstance(msg, kind), msg
+    return msg
 
 
 def _frame(body: list[Any]) -> bytes:
@@ -353,10 +363,10 @@ BAD_ENCODES: list[tuple[Message, str]] = [
     (AccessDone("e", 0, 1, 0, 0, -5, 1, False, LocalTime(0.0)), "lease_id"),
     (AccessDone("e", 0, 1, 0, 0, 5, -1, False, LocalTime(0.0)), "attempt"),
     (AccessDone("e", 0, MAX_RANKS + 1, 0, 0, 5, 1, False, LocalTime(0.0)), "ranks"),
-    (AccessDone("e", 0, 1, 0, 0, 5, 1, 1, LocalTime(0.0)), "confirm"),  # type: ignore[arg-type]
-    (AccessDoneAck("e", 0, 0, 0, 0, 1.5, 1, AccessOutcome.OK), "lease_id"),  # type: ignore[arg-type]
+    (AccessDone("e", 0, 1, 0, 0, 5, 1, 1, LocalTime(0.0)), "confirm"),  # type: ignore[arg-type]  # on purpose
+    (AccessDoneAck("e", 0, 0, 0, 0, 1.5, 1, AccessOutcome.OK), "lease_id"),  # type: ignore[arg-type]  # on purpose
     (AccessDoneAck("e", 0, 0, 0, 2**64, 1, 1, AccessOutcome.OK), "to_session"),
-    (AccessDoneAck("e", 0, 0, 0, 0, 1, 1, 0), "outcome"),  # type: ignore[arg-type]
+    (AccessDoneAck("e", 0, 0, 0, 0, 1, 1, 0), "outcome"),  # type: ignore[arg-type]  # on purpose
     (Handshake("e", 0, 1, 1, 1, -1, 0, LocalTime(0.0)), "capabilities"),
     (Handshake("e", 0, 0, 1, 1, 0, 0, LocalTime(0.0)), "ranks"),
     (
@@ -378,7 +388,7 @@ def test_encode_refuses_unrepresentable_values(msg: Message, what: str) -> None:
 
 def test_encode_refuses_non_messages() -> None:
     with pytest.raises(EncodeError, match="not a kvlease message"):
-        encode("hello")  # type: ignore[arg-type]
+        encode("hello")  # type: ignore[arg-type]  # not a message, on purpose
 
 
 @pytest.mark.parametrize("shape", ["too-many-ids", "too-many-bytes"])
@@ -401,7 +411,7 @@ def test_size_limits_of_decode_hold() -> None:
     assert len(big) > MAX_DECODE_BYTES
     with pytest.raises(DecodeError, match="exceeds"):
         decode(big)
-    assert decode(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * MAX_IDS])).lease_ids[-1] == MAX_IDS  # type: ignore[union-attr]
+    assert _decode_as(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * MAX_IDS]), Release).lease_ids[-1] == MAX_IDS
 
 
 # -- decode raises only DecodeError -------------------------------------------------------------
@@ -584,7 +594,7 @@ def test_decode_accepts_integer_times() -> None:
     msg = decode(_frame([PROTOCOL_VERSION, 3, "e", 0, 1, 9, 0, 0, 7, [1, 2]]))
     assert msg == Heartbeat("e", 0, 1, 9, 0, 0, LocalTime(7.0), (1, 3))
     assert isinstance(msg, Heartbeat) and type(msg.t_send) is float
-    assert decode(_frame([PROTOCOL_VERSION, 3, "e", 0, 1, 9, 0, 0, T_MAX, []])).t_send == MAX_TIME  # type: ignore[union-attr]
+    assert _decode_as(_frame([PROTOCOL_VERSION, 3, "e", 0, 1, 9, 0, 0, T_MAX, []]), Heartbeat).t_send == MAX_TIME
 
 
 def test_a_float_version_is_not_the_version() -> None:
@@ -748,4 +758,4 @@ def test_a_huge_budget_still_splits_at_the_decoders_list_bound() -> None:
     chunks = split_ids(ids, 600_000)
     assert [len(c) for c in chunks] == [MAX_IDS, MAX_IDS, 300_000 - 2 * MAX_IDS]
     for c in chunks:
-        assert decode(encode(Heartbeat("d", 0, 1, 0, 0, 1, LocalTime(1.0), c))).lease_ids == c  # type: ignore[union-attr]
+        assert _decode_as(encode(Heartbeat("d", 0, 1, 0, 0, 1, LocalTime(1.0), c)), Heartbeat).lease_ids == c

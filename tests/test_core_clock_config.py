@@ -184,7 +184,7 @@ BAD_FIELDS: list[tuple[str, object]] = [
 @pytest.mark.parametrize(("field", "value"), BAD_FIELDS)
 def test_every_bad_value_raises_config_error_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:
-        LeaseConfig(**{field: value})  # type: ignore[arg-type]
+        LeaseConfig(**{field: value})  # type: ignore[arg-type]  # a bad value on purpose
     assert info.value.field == field
     assert field in str(info.value)
     assert isinstance(info.value, ValueError)
@@ -227,7 +227,7 @@ def test_check_time_bounds() -> None:
 def test_config_is_frozen_and_with_changes_validates() -> None:
     c = LeaseConfig()
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        c.kv_lease_duration = 1.0  # type: ignore[misc]
+        c.kv_lease_duration = 1.0  # type: ignore[misc]  # assigning to a frozen field is the point
     assert c.with_changes(kv_lease_duration=3.0).heartbeat_interval == 0.5
     with pytest.raises(ConfigError, match="max_message_bytes"):
         c.with_changes(max_message_bytes=1)

@@ -13,23 +13,27 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvlease import AccessDone, Accessor, LeaseConfig, LeaseLost, LocalTime, Pinner, encode
+
+if TYPE_CHECKING:  # the transports load only where a test uses them
+    from kvlease.transports import Driver
 
 zmq = pytest.importorskip("zmq")
 
 CFG = LeaseConfig(kv_lease_duration=3.0, max_access_time=0.2)
 
 
-def _pump(drivers: list[object], until: Callable[[], bool], timeout: float = 10.0) -> list[object]:
+def _pump(drivers: list[Driver], until: Callable[[], bool], timeout: float = 10.0) -> list[object]:
     events: list[object] = []
     deadline = time.monotonic() + timeout
     while not until():
         assert time.monotonic() < deadline, f"condition not reached; events {events[-10:]}"
         for d in drivers:
-            events.extend(d.step())  # type: ignore[attr-defined]
+            events.extend(d.step())
         time.sleep(0.001)
     return events
 
@@ -77,8 +81,9 @@ def test_a_side_channel_hello_cannot_hijack_another_engines_acks(monkeypatch: py
     try:
         ticket = p.grant("req-1")
         d.track("req-1", ticket, address=pt.address)
-        assert d.accessor is not None
-        _pump([p, d], lambda: d.accessor.valid_until("req-1") is not None)  # type: ignore[union-attr]
+        acc = d.accessor
+        assert acc is not None
+        _pump([p, d], lambda: acc.valid_until("req-1") is not None)
         hello = x._hello("hello")
         hello["engine_id"] = "D"  # the attacker's agent, claiming to be engine D
         refused: list[BaseException] = []
@@ -94,7 +99,7 @@ def test_a_side_channel_hello_cannot_hijack_another_engines_acks(monkeypatch: py
         before = p.stats.heartbeats_received
         events = _pump([p, d], lambda: p.stats.heartbeats_received >= before + 8, timeout=20.0)
         assert not [e for e in events if isinstance(e, LeaseLost)]
-        assert d.accessor.valid_until("req-1") is not None
+        assert acc.valid_until("req-1") is not None
         assert p.pinner is not None and p.pinner.info(ticket.lease_id) is not None
         th.join(5.0)
         assert refused, "the side channel answered the hijacking hello"
