@@ -583,7 +583,7 @@ def test_every_decode_error_kvlease_raises_names_a_documented_category() -> None
     """Statically, so that a rare path cannot slip through: every ``DecodeError(...)`` in the
     package passes ``category=`` one of the documented literals."""
     calls = _decode_error_calls(Path(kvlease.__file__).parent)
-    assert len(calls) >= 30  # the codec, the vLLM codec, frame authentication, the conformance core
+    assert len(calls) >= 20  # not vacuous (30 today: codec, vLLM codec, frame auth, conformance core)
     for where, line, call in calls:
         cat = next((k.value for k in call.keywords if k.arg == "category"), None)
         assert isinstance(cat, ast.Constant) and cat.value in DECODE_ERROR_CATEGORIES, f"{where}:{line}"
