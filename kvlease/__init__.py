@@ -11,8 +11,10 @@ from ._clock import MAX_TIME, ClockOffsetEstimator, ClockSample, LocalTime, Offs
 from ._codec import decode, encode, is_native_frame, split_ids
 from ._config import MIN_MESSAGE_BYTES, MIN_VALIDITY_MARGIN, LeaseConfig
 from ._errors import (
+    DECODE_ERROR_CATEGORIES,
     ConfigError,
     DecodeError,
+    DecodeErrorCategory,
     EncodeError,
     KvLeaseError,
     LocalProtocolError,
@@ -55,6 +57,7 @@ from ._vllm_compat import VllmAccessDone, VllmHeartbeat, decode_vllm, encode_vll
 __version__ = "0.1.0"
 
 __all__ = [
+    "DECODE_ERROR_CATEGORIES",
     "MAC_BYTES",
     "MAX_RANKS",
     "MAX_TIME",
@@ -74,6 +77,7 @@ __all__ = [
     "ClockSample",
     "ConfigError",
     "DecodeError",
+    "DecodeErrorCategory",
     "EncodeError",
     "EndReason",
     "FrameAuth",
