@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import kvlease
 from kvlease import (
+    DECODE_ERROR_CATEGORIES,
     MAX_RANKS,
     MAX_TIME,
     MIN_MESSAGE_BYTES,
@@ -54,7 +55,6 @@ from kvlease._codec import (
     heartbeat_id_budget,
     ids_encoded_size,
 )
-from kvlease._errors import DECODE_ERROR_CATEGORIES
 
 U64_MAX = 2**64 - 1
 T_MAX = 2**32  # MAX_TIME as an integer
