@@ -63,15 +63,15 @@ DECODE_ERROR_CATEGORIES: Final[frozenset[DecodeErrorCategory]] = frozenset(get_a
 class DecodeError(KvLeaseError):
     """Bytes from the wire are not a valid kvlease message. The only error `decode` raises.
 
-    `category` says why, as one of `DECODE_ERROR_CATEGORIES`; every DecodeError kvlease's codecs
-    raise carries one. It is None only where code outside them raised one without saying.
+    `category` says why, as one of `DECODE_ERROR_CATEGORIES`: match on it, not on the message,
+    which is for people and may change.
     """
 
-    def __init__(self, message: str, category: DecodeErrorCategory | None = None) -> None:
-        self.category: DecodeErrorCategory | None = category
+    def __init__(self, message: str, category: DecodeErrorCategory) -> None:
+        self.category: DecodeErrorCategory = category
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[type[DecodeError], tuple[str, DecodeErrorCategory | None]]:
+    def __reduce__(self) -> tuple[type[DecodeError], tuple[str, DecodeErrorCategory]]:
         # Exceptions pickle as `cls(*args)`; `category` is not in `args`, so say it here.
         return (type(self), (str(self), self.category))
 

@@ -545,11 +545,11 @@ class Driver:
         if self._auth is not None:
             return decode(self._auth.open(data))
         if is_sealed_frame(data):
-            raise DecodeError("authentication failed: a sealed frame, but no key is configured (auth_keys)")
+            raise DecodeError("authentication failed: a sealed frame, but no key is configured (auth_keys)", category="auth")
         return decode(data)
 
     def _refused(self, now: LocalTime, peer: str, exc: DecodeError) -> None:
-        if str(exc).startswith("authentication"):
+        if exc.category == "auth":
             self.stats.unauthenticated_messages += 1
             self._log(now, peer, f"dropped unauthenticated input: {exc}")
         else:
