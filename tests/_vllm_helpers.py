@@ -67,7 +67,7 @@ class Node:
             VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port),
             KVT_DIST_PORT=str(free_port()),
             PYTHONUNBUFFERED="1",
-            VLLM_LOGGING_LEVEL="WARNING",
+            VLLM_LOGGING_LEVEL=os.environ.get("KVT_VLLM_LOG", "WARNING"),
         )
         for k in ("COVERAGE_PROCESS_START", "PYTHONPATH"):
             env.pop(k, None)
@@ -130,14 +130,14 @@ class Node:
                     f"{self.name}: no {ev} {match} within {timeout} s; log {self.log_path}:\n" + self.tail()
                 )
             try:
-                e = self._q.get(timeout=left)
+                got = self._q.get(timeout=left)
             except queue.Empty:
                 continue
-            if e is None:
+            if got is None:
                 raise AssertionError(f"{self.name} exited (rc={self.proc.poll()}) before {ev} {match}:\n" + self.tail())
-            self.events.append(e)
-            if e["ev"] == ev and all(e.get(k) == v for k, v in match.items()):
-                return e
+            self.events.append(got)
+            if got["ev"] == ev and all(got.get(k) == v for k, v in match.items()):
+                return got
 
     def drain(self) -> list[dict[str, Any]]:
         """Every event that has arrived so far."""

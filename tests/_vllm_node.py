@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--engine-id", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--extra", default="{}")
-    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--bad-config", default="", help="JSON extra config that must fail at build")
@@ -69,11 +69,16 @@ def main() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    if os.environ.get("KVT_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(created).3f %(name)s %(message)s")
+        logging.getLogger("kvlease").setLevel(logging.DEBUG)
     extra = json.loads(args.extra)
     if args.connector == "kvlease":
         conn, module = "KvleaseNixlConnector", "kvlease.adapters.vllm"
@@ -92,12 +97,12 @@ def main() -> None:
 
     t0 = time.monotonic()
     model_config = ModelConfig(
-        model=args.model, tokenizer=args.model, skip_tokenizer_init=True, max_model_len=1024, dtype="float32", seed=0
+        model=args.model, tokenizer=args.model, skip_tokenizer_init=True, max_model_len=2048, dtype="float32", seed=0
     )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
-            max_model_len=1024,
+            max_model_len=2048,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=2048,
             enable_chunked_prefill=False,
@@ -145,8 +150,27 @@ def main() -> None:
         ensure_model_parallel_initialized(1, 1)
         ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
         worker = get_kv_transfer_group()
+        # vLLM's NIXL worker pins the process to the last core of its NUMA node, for a server
+        # with cores to spare; four instances on one small machine would then share one core.
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
         kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
         worker.register_kv_caches(kv_caches)
+        if os.environ.get("KVT_DEBUG"):
+            impl = worker.connector_worker
+            real_send = impl.nixl_wrapper.send_notif
+            real_hs = impl._ensure_handshake
+
+            def send_notif(agent: Any, notif_msg: Any = b"", *a: Any, **k: Any) -> Any:
+                print(f"{time.time():.3f} send_notif {agent!r} {bytes(notif_msg)[:40]!r}", file=sys.stderr)
+                return real_send(agent, notif_msg, *a, **k)
+
+            def ensure(*a: Any, **k: Any) -> Any:
+                r = real_hs(*a, **k)
+                print(f"{time.time():.3f} ensure_handshake {a} -> {r}", file=sys.stderr)
+                return r
+
+            impl.nixl_wrapper.send_notif = send_notif
+            impl._ensure_handshake = ensure
         scheduler = Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
@@ -196,8 +220,9 @@ def main() -> None:
     first_sched: set[str] = set()
     token = 5
     running = True
+    stepped = False  # commands wait for the first step (it builds the lease driver)
     while running:
-        while True:
+        while stepped:
             try:
                 cmd = cmds.get_nowait()
             except queue.Empty:
@@ -221,6 +246,10 @@ def main() -> None:
                 )
                 continue
             rid = cmd["id"]
+            if op == "abort":
+                scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                emit("aborted", id=rid)
+                continue
             prompt = cmd.get("prompt") or [(i % 900) + 3 for i in range(cmd.get("tokens", 96))]
             params: dict[str, Any] | None
             if op == "prefill":
@@ -238,7 +267,9 @@ def main() -> None:
             scheduler.add_request(req)
             emit("added", id=rid)
 
+        t_a = time.monotonic()
         so = scheduler.schedule()
+        t_b = time.monotonic()
         for nr in so.scheduled_new_reqs:
             req = scheduler.requests[nr.req_id]
             blocks = list(nr.block_ids[0])
@@ -275,11 +306,16 @@ def main() -> None:
             sampled_token_ids=[[token] for _ in req_ids],
             kv_connector_output=kvo,
         )
+        t_c = time.monotonic()
         outs = scheduler.update_from_output(so, mro)
+        t_d = time.monotonic()
+        if t_d - t_a > 0.5:
+            emit("slow_step", schedule=t_b - t_a, connector=t_c - t_b, update=t_d - t_c)
         for eco in outs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     emit("finished", id=o.request_id, reason=str(o.finish_reason), params=o.kv_transfer_params)
+        stepped = True
         time.sleep(args.step_ms / 1000.0)
     worker.shutdown()
     scheduler.shutdown()

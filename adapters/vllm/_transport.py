@@ -50,6 +50,10 @@ HELLO_MAGIC: Final = b"\xc1\x4bH"
 _MAX_HELLO: Final = 1 << 20
 
 
+def _text(name: object) -> str:
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 class ConnectorTransport:
     """`Transport` for one worker of a vLLM NIXL connector (see the module docstring)."""
 
@@ -106,6 +110,8 @@ class ConnectorTransport:
             self._on_hello(agent_name, data)
             return
         engine, rank = self._sender(agent_name)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("kvlease notif in from %s (%s rank %d): %d bytes", agent_name, engine, rank, len(data))
         self._inbound.append(Inbound(engine, rank, bytes(data)))
 
     def _sender(self, agent_name: str) -> tuple[str, int]:
@@ -114,7 +120,8 @@ class ConnectorTransport:
             return known
         for engine, agents in self._remote_agents.items():
             for (_pp, tp), name in agents.items():
-                if name == agent_name:
+                if _text(name) == agent_name:
+                    self._peer_of[agent_name] = (engine, tp)
                     return engine, tp
         return agent_name, 0  # a peer we hold no agent of (a stock vLLM decoder)
 
@@ -143,6 +150,8 @@ class ConnectorTransport:
         if not agents:
             raise PeerUnreachable(engine_id, rank, "no NIXL agent loaded for it")
         for name in agents:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("kvlease notif out to %s (%s rank %s): %d bytes", name, engine_id, rank, len(data))
             try:
                 self._agent.send_notif(name, notif_msg=data)
             except Exception as exc:

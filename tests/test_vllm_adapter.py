@@ -1,0 +1,196 @@
+"""kvlease inside vLLM 0.33.0 (pull mode): real vLLM schedulers, connectors built by vLLM's factory,
+vLLM's CPU KV-cache allocation and model-runner mixin, and NIXL READs between processes.
+
+Four vLLM instances for the whole module (construction and imports dominate the cost):
+P1 a kvlease producer, D1 a kvlease decoder, P2 a stock vLLM producer and D2 a stock vLLM
+decoder (``NixlConnector``, unmodified) — the mixed fleet of a rolling upgrade. The decoders run
+one sequence at a time, so a plain local request ("blocker") keeps a remote-prefill request
+queued for as long as a scenario needs. Only the model forward is faked: the producer writes a
+per-request pattern into the KV blocks it prefills and the decoder checks it in the blocks vLLM
+loaded for it. The scenarios run in order on the same processes (D1 is SIGKILLed last).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _vllm_helpers import Node, require_vllm_env
+
+pytestmark = pytest.mark.slow
+
+#: Short leases, so the timing scenarios take seconds: heartbeat every D/6 = 1 s, each extending
+#: by 2D/3 = 4 s. A process stalled longer than D/2 (a loaded 2-core machine can stall one for
+#: seconds) would rightly lose its lease, so D is not shorter.
+D = 6.0
+EXTRA = {"kv_lease_duration": D}
+RHO = 1e-4  # max_drift_rate (default)
+#: Scheduling slack of a step loop on a loaded 2-core machine (steps are every ~10 ms).
+SLACK = 1.0
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[dict[str, Node]]:
+    require_vllm_env()
+    nodes = {
+        "P1": Node(
+            "P1", "kv_producer", "kvlease", extra=EXTRA, bad_config={"kv_lease_duration": D, "validity_margin": -1}
+        ),
+        "D1": Node("D1", "kv_consumer", "kvlease", extra=EXTRA, max_num_seqs=1, bad_config={"kvlease_engine_tll": 5}),
+        "P2": Node("P2", "kv_producer", "stock", extra={"kv_lease_duration": int(D)}),
+        "D2": Node("D2", "kv_consumer", "stock", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
+    }
+    try:
+        for n in nodes.values():
+            n.wait("ready", timeout=240)
+        yield nodes
+    finally:
+        for n in nodes.values():
+            n.close()
+
+
+def prefill(p: Node, rid: str) -> dict[str, Any]:
+    p.send(op="prefill", id=rid)
+    return p.wait("finished", 30, id=rid)["params"]  # type: ignore[no-any-return]
+
+
+def counters(p: Node) -> dict[str, int]:
+    return p.stats()["counters"]  # type: ignore[no-any-return]
+
+
+def test_connectors_come_from_vllms_factory(fleet: dict[str, Node]) -> None:
+    for name in ("P1", "D1"):
+        ready = fleet[name].wait("ready")
+        assert ready["scheduler_impl"] == "KvleasePullScheduler"
+        assert ready["worker_impl"] == "KvleasePullWorker"
+    assert fleet["P2"].wait("ready")["worker_impl"] == "NixlPullConnectorWorker"
+
+
+def test_bad_extra_config_fails_at_build_naming_the_key(fleet: dict[str, Node]) -> None:
+    err = fleet["P1"].wait("bad_config")["error"]
+    assert err is not None and "ConfigError" in err and "validity_margin" in err
+    err = fleet["D1"].wait("bad_config")["error"]
+    assert err is not None and "kvlease_engine_tll" in err
+
+
+def test_pull_reads_the_producers_blocks_and_frees_them(fleet: dict[str, Node]) -> None:
+    """D1 (kvlease) and D2 (stock vLLM: its ``id:count`` goes through the compat codec) each READ
+    a request's blocks from the kvlease producer P1 over NIXL; the contents match and P1 frees
+    the blocks through ``finished_sending`` on the read-done, not on expiry. (This also makes
+    both decoders' first vLLM handshake with P1, which the later timing scenarios do not want to
+    include: on this machine a first handshake can stall a process for seconds.)"""
+    p1 = fleet["P1"]
+    before = counters(p1)
+    for rid, d in (("r1", fleet["D1"]), ("r1s", fleet["D2"])):
+        params = prefill(p1, rid)
+        assert params["kvlease"]["engine_id"] == "P1" and params["kvlease"]["lease_id"] >= 1
+        d.send(op="decode", id=rid, params=params)
+        done = d.wait("recv_done", 90, id=rid)
+        assert done["failed"] is False and done["match"] is True
+        p1.wait("freed", 30, id=rid)
+        d.wait("finished", 30, id=rid)
+    after = counters(p1)
+    assert after["completed"] == before["completed"] + 2
+    assert after["expired"] == before["expired"]
+    assert fleet["D1"].stats()["driver"]["accesses_completed"] == 1
+
+
+def _queue(p: Node, d: Node, rid: str, blockers: int = 2) -> float:
+    """Prefill `rid` on `p` and queue it on `d` behind `blockers` local requests (each decodes up
+    to the model length, ~2000 steps); returns when it was added. `_unblock` lets it run."""
+    params = prefill(p, rid)
+    for i in range(blockers):
+        d.send(op="local", id=f"{rid}-blocker{i}", max_tokens=1_000_000)
+    d.wait("scheduled", 30, id=f"{rid}-blocker0")
+    d.send(op="decode", id=rid, params=params)
+    return float(d.wait("added", 30, id=rid)["t"])
+
+
+def _unblock(d: Node, rid: str, blockers: int = 2) -> None:
+    for i in range(blockers):
+        d.send(op="abort", id=f"{rid}-blocker{i}")
+
+
+def test_queued_requests_keep_their_leases_while_heartbeating(fleet: dict[str, Node]) -> None:
+    """D1 (kvlease) and D2 (stock vLLM: ``HB:`` then ``id:count``, the mixed fleet of a rolling
+    upgrade) each keep a request queued for more than 3 leases against the kvlease producer P1:
+    P1 keeps the blocks, and each read then returns the prefilled contents and frees them."""
+    p1, d1, d2 = fleet["P1"], fleet["D1"], fleet["D2"]
+    before = counters(p1)
+    t_added = {"r2": _queue(p1, d1, "r2"), "r5": _queue(p1, d2, "r5")}
+    time.sleep(3.2 * D)
+    for rid, d in (("r2", d1), ("r5", d2)):
+        assert not p1.seen("freed", id=rid), f"{rid} freed while its decoder ({d.name}) was heartbeating"
+        assert not d.seen("recv_done", id=rid), f"{rid} was not kept queued"
+        _unblock(d, rid)
+    for rid, d in (("r2", d1), ("r5", d2)):
+        done = d.wait("recv_done", 60, id=rid)
+        assert done["t"] - t_added[rid] >= 3 * D
+        assert done["failed"] is False and done["match"] is True
+        p1.wait("freed", 30, id=rid)
+    after = counters(p1)
+    assert after["expired"] == before["expired"]
+    assert after["completed"] == before["completed"] + 2
+    assert after["renewed"] > before["renewed"] + 2 * 3 * 3, "heartbeats renewed both leases all along"
+
+
+def test_kvlease_decoder_falls_back_to_vllm_format_with_a_stock_producer(fleet: dict[str, Node]) -> None:
+    p2, d1 = fleet["P2"], fleet["D1"]
+    for rid in ("r6", "r6b"):
+        params = prefill(p2, rid)
+        assert "kvlease" not in params
+        d1.send(op="decode", id=rid, params=params)
+        done = d1.wait("recv_done", 60, id=rid)
+        assert done["failed"] is False and done["match"] is True
+        p2.wait("freed", 30, id=rid)  # vLLM's own `id:count`
+    log = d1.log_path.read_text(errors="replace")
+    assert log.count("no validity guarantee") == 1, "the fallback is logged once per stock producer"
+
+
+def test_read_after_expiry_is_a_failed_load_and_recomputes(fleet: dict[str, Node]) -> None:
+    """D1 is frozen (SIGSTOP) past the lease with r3 queued: P1 expires the lease and reuses the
+    blocks for another request. Once D1 runs again, r3's load fails and vLLM recomputes the prompt
+    (scheduled again from 0 computed tokens); the stale blocks are never decoded from."""
+    p1, d1 = fleet["P1"], fleet["D1"]
+    before = counters(p1)
+    _queue(p1, d1, "r3")
+    time.sleep(2 * D / 6)  # a few heartbeats
+    d1.signal(signal.SIGSTOP)
+    try:
+        p1.wait("freed", 3 * D, id="r3")
+        prefill(p1, "r3-reuse")  # P1 hands r3's blocks to another request
+        assert counters(p1)["expired"] == before["expired"] + 1
+    finally:
+        d1.signal(signal.SIGCONT)
+    _unblock(d1, "r3")
+    done = d1.wait("recv_done", 60, id="r3")
+    assert done["failed"] is True and done["match"] is None
+    again = d1.wait("scheduled", 60, id="r3")
+    assert again["num_computed_tokens"] == 0, "the prompt is recomputed locally"
+    d1.wait("finished", 60, id="r3")
+    drv = d1.stats()["driver"]
+    # Either the READ ran and the producer's verdict made it stale, or the lease was known lost
+    # (a heartbeat answered "expired") before the READ and it was never posted.
+    print(f"read after expiry: stale_reads_caught={drv['stale_reads_caught']} leases_lost={drv['leases_lost']}")
+    assert drv["stale_reads_caught"] + drv["leases_lost"] >= 1
+
+
+def test_decoder_killed_producer_frees_within_the_bound(fleet: dict[str, Node]) -> None:
+    """SIGKILL D1 while r4 is queued there and heartbeating: P1 frees r4 once the last renewal
+    runs out. A renewal extends to receipt + 2D/3 and one arrives every D/6, so the free comes
+    between D/2 and 2D/3 (drift-adjusted) after the kill, up to scheduling slack."""
+    p1, d1 = fleet["P1"], fleet["D1"]
+    _queue(p1, d1, "r4")
+    time.sleep(D)  # heartbeating for a whole lease: the lease now rests on renewals only
+    assert not p1.seen("freed", id="r4")
+    t_kill = time.monotonic()
+    d1.signal(signal.SIGKILL)
+    freed = p1.wait("freed", 4 * D, id="r4")
+    delay = freed["t"] - t_kill  # both CLOCK_MONOTONIC on this machine
+    upper = 2 * D / 3 * (1 + RHO) / (1 - RHO)
+    lower = D / 2
+    print(f"free after decoder SIGKILL: {delay:.3f} s (bound [{lower:.3f}, {upper:.3f}] s + {SLACK} s slack)")
+    assert lower - SLACK <= delay <= upper + SLACK
