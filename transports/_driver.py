@@ -545,7 +545,9 @@ class Driver:
         if self._auth is not None:
             return decode(self._auth.open(data))
         if is_sealed_frame(data):
-            raise DecodeError("authentication failed: a sealed frame, but no key is configured (auth_keys)", category="auth")
+            raise DecodeError(
+                "authentication failed: a sealed frame, but no key is configured (auth_keys)", category="auth"
+            )
         return decode(data)
 
     def _refused(self, now: LocalTime, peer: str, exc: DecodeError) -> None:
