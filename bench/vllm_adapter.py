@@ -32,13 +32,13 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
+from kvlease.adapters.vllm._transport import ConnectorTransport
+from kvlease.transports import Driver
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
 from kvlease import Heartbeat, LeaseConfig, LocalTime, Pinner, encode, split_ids
 from kvlease._codec import heartbeat_id_budget
-from kvlease.adapters.vllm._transport import ConnectorTransport
-from kvlease.transports import Driver
 
 LEASE = 30.0  # vLLM's default kv_lease_duration
 STEP_S = 0.010  # a worker step every 10 ms
