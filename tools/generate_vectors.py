@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Generate the conformance vectors in this directory (run by hand, commit the JSON).
+"""Generate the conformance vectors in spec/vectors/ (run by hand, commit the JSON).
 
-    .venv/bin/python spec/vectors/generate.py [--check]
+    .venv/bin/python tools/generate_vectors.py [--check]
 
 Each scenario drives the Python core (through `kvlease.conformance.CoreImplementation`, the
 same object the reference driver wraps) along a scripted schedule of real time, converts every
@@ -32,14 +32,17 @@ from kvlease import (
     Heartbeat,
     HeartbeatAck,
     LeaseConfig,
+    LocalTime,
+    Message,
+    PeerTime,
     Release,
     encode,
     encode_vllm_done,
     encode_vllm_heartbeat,
 )
-from kvlease.conformance import VECTOR_FORMAT, CoreImplementation, message_to_json
+from kvlease.conformance import JSON, VECTOR_FORMAT, CoreImplementation, JSONDict, message_to_json
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 
 #: Small timings keep vectors short: interval 1 s, extension 4 s, accessor extension ~3.949 s.
 BASE = LeaseConfig(kv_lease_duration=6.0, decoder_kv_blocks_ttl=20.0, max_access_time=0.5)
@@ -48,15 +51,16 @@ BASE = LeaseConfig(kv_lease_duration=6.0, decoder_kv_blocks_ttl=20.0, max_access
 class Recorder:
     """Runs one scenario against the core and records it as a trace vector."""
 
-    def __init__(self, name: str, description: str, config: LeaseConfig,
-                 endpoints: dict[str, dict[str, Any]], epochs: dict[str, float]) -> None:
+    def __init__(
+        self, name: str, description: str, config: LeaseConfig, endpoints: JSONDict, epochs: dict[str, float]
+    ) -> None:
         self.name = name
         self.description = description
         self.config = config
         self.endpoints = endpoints
         self.epochs = epochs
         self.impl = CoreImplementation(annotate=True)
-        self.steps: list[dict[str, Any]] = []
+        self.steps: list[JSONDict] = []
         self.t = 0.0  # real time, seconds since the scenario began
         resp = self.impl.call({"cmd": "setup", "config": attrs.asdict(config), "endpoints": endpoints})
         assert resp == {"ok": True}, resp
@@ -69,19 +73,25 @@ class Recorder:
         self.t = t
         return self
 
-    def step(self, ep: str, op: str, note: str = "", *, clock: float | None = None,
-             **args: Any) -> dict[str, Any]:
+    def step(self, ep: str, op: str, note: str = "", *, clock: float | None = None, **args: JSON) -> dict[str, Any]:
         """One call at the current real time (or at local reading `clock`, for misuse)."""
         now = self.local(ep) if clock is None else clock
-        req = {"cmd": "step", "endpoint": ep, "now": now, "op": op, "args": args}
+        req: JSONDict = {"cmd": "step", "endpoint": ep, "now": now, "op": op, "args": args}
         resp = self.impl.call(req)
+        expect: JSONDict
         if resp["ok"]:
-            expect = {"ok": True, "result": resp["result"], "outputs": resp["outputs"],
-                      "next_deadline": resp["next_deadline"], "next_work": self.next_work(ep)}
+            expect = {
+                "ok": True,
+                "result": resp["result"],
+                "outputs": resp["outputs"],
+                "next_deadline": resp["next_deadline"],
+                "next_work": self.next_work(ep),
+            }
         else:
-            expect = {"ok": False, "error": {k: v for k, v in resp["error"].items()
-                                             if k in ("class", "category")}}
-        rec: dict[str, Any] = {"endpoint": ep, "now": now, "op": op, "args": args, "expect": expect}
+            error = resp["error"]
+            assert isinstance(error, dict), resp
+            expect = {"ok": False, "error": {k: v for k, v in error.items() if k in ("class", "category")}}
+        rec: JSONDict = {"endpoint": ep, "now": now, "op": op, "args": args, "expect": expect}
         if note:
             rec["note"] = note
         self.steps.append(rec)
@@ -99,7 +109,7 @@ class Recorder:
             nd = probe.next_deadline()
             if nd is None:
                 return None
-            at = max(nd, probe._now)  # overdue work is due now
+            at = LocalTime(max(nd, probe._now))  # overdue work is due now
             if probe.handle_timeout(at):
                 return float(at)
         raise AssertionError(f"{ep}: no work found along 10,000 deadlines")
@@ -107,12 +117,19 @@ class Recorder:
     def deliver(self, ep: str, out: dict[str, Any], note: str = "") -> dict[str, Any]:
         return self.step(ep, "receive", note, hex=out["hex"])
 
-    def vector(self) -> dict[str, Any]:
+    def vector(self) -> JSONDict:
+        epochs: JSONDict = dict(self.epochs)
+        steps: list[JSON] = list(self.steps)
         return {
-            "format": VECTOR_FORMAT, "kind": "trace", "name": self.name,
-            "description": self.description, "config": attrs.asdict(self.config),
-            "endpoints": self.endpoints, "epochs_note": "each endpoint's clock = epoch + real time",
-            "epochs": self.epochs, "steps": self.steps,
+            "format": VECTOR_FORMAT,
+            "kind": "trace",
+            "name": self.name,
+            "description": self.description,
+            "config": attrs.asdict(self.config),
+            "endpoints": self.endpoints,
+            "epochs_note": "each endpoint's clock = epoch + real time",
+            "epochs": epochs,
+            "steps": steps,
         }
 
 
@@ -126,24 +143,24 @@ def only(resp: dict[str, Any], typ: str) -> dict[str, Any]:
     return found[0]
 
 
-def pinner(engine_id: str, incarnation: int, rank: int = 0, ranks: int = 1) -> dict[str, Any]:
+def pinner(engine_id: str, incarnation: int, rank: int = 0, ranks: int = 1) -> JSONDict:
     return {"role": "pinner", "engine_id": engine_id, "incarnation": incarnation, "rank": rank, "ranks": ranks}
 
 
-def accessor(engine_id: str, rank: int = 0, ranks: int = 1, session: int = 0xACCE55) -> dict[str, Any]:
+def accessor(engine_id: str, rank: int = 0, ranks: int = 1, session: int = 0xACCE55) -> JSONDict:
     return {"role": "accessor", "engine_id": engine_id, "rank": rank, "ranks": ranks, "session": session}
 
 
 def connect(r: Recorder, acc: str, pin: str, hs_out: dict[str, Any], t: float) -> None:
     """The side-channel handshake the driver performs after HandshakeNeeded."""
-    reply = r.at(t).step(pin, "handshake", "the driver carries the handshake over its side channel",
-                         hex=hs_out["hex"])
+    reply = r.at(t).step(pin, "handshake", "the driver carries the handshake over its side channel", hex=hs_out["hex"])
     assert reply["ok"] and reply["outputs"] == []
     assert not r.at(t + 0.125).step(acc, "handshake_reply", hex=reply["result"]["hex"])["outputs"]
 
 
-def heartbeat_round(r: Recorder, acc: str, pins: list[str], t: float, *, lose_to: bool = False,
-                    lose_back: bool = False) -> list[dict[str, Any]]:
+def heartbeat_round(
+    r: Recorder, acc: str, pins: list[str], t: float, *, lose_to: bool = False, lose_back: bool = False
+) -> list[dict[str, Any]]:
     """Accessor's due heartbeat at t, each send delivered to the pinner rank it addresses
     (`pins[rank]`) 0.25 s later, acks back 0.25 s after that. Returns the acks' receive
     responses."""
@@ -165,10 +182,14 @@ def heartbeat_round(r: Recorder, acc: str, pins: list[str], t: float, *, lose_to
 
 
 def happy_pull() -> Recorder:
-    r = Recorder("happy_pull", "Pull mode: grant, track, handshake, one heartbeat round, a "
-                 "guaranteed READ, access-done frees the blocks; a duplicate access-done is a no-op.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED0001), "D": accessor("decode-0")},
-                 {"P": 14021.5, "D": 98333.25})
+    r = Recorder(
+        "happy_pull",
+        "Pull mode: grant, track, handshake, one heartbeat round, a "
+        "guaranteed READ, access-done frees the blocks; a duplicate access-done is a no-op.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0001), "D": accessor("decode-0")},
+        {"P": 14021.5, "D": 98333.25},
+    )
     ticket = r.at(0.0).step("P", "grant", key="req-1")["result"]
     hs = only(r.at(0.25).step("D", "track", key="req-1", ticket=ticket), "HandshakeNeeded")
     connect(r, "D", "P", hs, 0.375)
@@ -190,11 +211,15 @@ def happy_pull() -> Recorder:
 
 
 def overload_long_queue() -> Recorder:
-    r = Recorder("overload_long_queue", "Pull mode: the request waits in the decoder's queue for "
-                 "30 s (5 lease durations); heartbeats every interval keep the lease, so nothing is "
-                 "freed until the READ completes.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED0002), "D": accessor("decode-0")},
-                 {"P": 51234.75, "D": 1234.5})
+    r = Recorder(
+        "overload_long_queue",
+        "Pull mode: the request waits in the decoder's queue for "
+        "30 s (5 lease durations); heartbeats every interval keep the lease, so nothing is "
+        "freed until the READ completes.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0002), "D": accessor("decode-0")},
+        {"P": 51234.75, "D": 1234.5},
+    )
     ticket = r.at(0.0).step("P", "grant", key="req-q")["result"]
     hs = only(r.at(0.0).step("D", "track", key="req-q", ticket=ticket), "HandshakeNeeded")
     connect(r, "D", "P", hs, 0.25)
@@ -214,12 +239,16 @@ def overload_long_queue() -> Recorder:
 
 
 def accessor_crash_expiry() -> Recorder:
-    r = Recorder("accessor_crash_expiry", "The decoder crashes after two heartbeats: the pinner "
-                 "frees exactly extension (4 s) after the last heartbeat it handled, not one tick "
-                 "earlier. A lease no accessor ever tracked frees at grant + duration. A heartbeat "
-                 "delayed past the free is answered 'expired' and frees nothing twice.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED0003), "D": accessor("decode-0")},
-                 {"P": 77000.0, "D": 20480.125})
+    r = Recorder(
+        "accessor_crash_expiry",
+        "The decoder crashes after two heartbeats: the pinner "
+        "frees exactly extension (4 s) after the last heartbeat it handled, not one tick "
+        "earlier. A lease no accessor ever tracked frees at grant + duration. A heartbeat "
+        "delayed past the free is answered 'expired' and frees nothing twice.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0003), "D": accessor("decode-0")},
+        {"P": 77000.0, "D": 20480.125},
+    )
     ticket = r.at(0.0).step("P", "grant", key="req-1")["result"]
     r.at(0.0).step("P", "grant", key="req-2", note="never tracked by any accessor")
     hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=ticket), "HandshakeNeeded")
@@ -230,8 +259,10 @@ def accessor_crash_expiry() -> Recorder:
     r.at(3.625).deliver("P", late, "the last heartbeat the pinner handles; the decoder dies now")
     last_hb_recv = 3.625
     # A copy of its final heartbeat is stuck in the network.
-    stuck = outs(r.at(4.375).step("D", "handle_timeout", note="the accessor's final heartbeat; "
-                                  "it is delayed in the network"), "Send")[0]
+    stuck = outs(
+        r.at(4.375).step("D", "handle_timeout", note="the accessor's final heartbeat; it is delayed in the network"),
+        "Send",
+    )[0]
     expiry = last_hb_recv + BASE.lease_extension
     assert r.at(5.875).step("P", "handle_timeout")["outputs"] == []
     free2 = only(r.at(6.0).step("P", "handle_timeout", note="req-2: grant + duration"), "Free")
@@ -246,14 +277,18 @@ def accessor_crash_expiry() -> Recorder:
 
 
 def late_read() -> Recorder:
-    r = Recorder("late_read", "A partition cuts the pinner off after one acknowledged heartbeat. "
-                 "req-1: the READ starts inside validity but is not covered for the access-time "
-                 "bound, ends after validity, so the accessor asks the pinner; the pinner had "
-                 "expired it and answers STALE: the data is never reported valid. req-2 (no "
-                 "access) is given up one lease duration after its last acknowledged heartbeat "
-                 "was sent (a lapsed window alone is not a loss).",
-                 BASE, {"P": pinner("prefill-0", 0x5EED0004), "D": accessor("decode-0")},
-                 {"P": 31337.0, "D": 4096.75})
+    r = Recorder(
+        "late_read",
+        "A partition cuts the pinner off after one acknowledged heartbeat. "
+        "req-1: the READ starts inside validity but is not covered for the access-time "
+        "bound, ends after validity, so the accessor asks the pinner; the pinner had "
+        "expired it and answers STALE: the data is never reported valid. req-2 (no "
+        "access) is given up one lease duration after its last acknowledged heartbeat "
+        "was sent (a lapsed window alone is not a loss).",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0004), "D": accessor("decode-0")},
+        {"P": 31337.0, "D": 4096.75},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
@@ -268,16 +303,18 @@ def late_read() -> Recorder:
         t += 1.0
     dec = r.at(4.0).step("D", "begin_access", key="req-1")["result"]
     assert dec["allowed"] and not dec["guaranteed"] and abs(dec["valid_until"] - valid_until) < 1e-9
-    assert r.at(4.33).step("D", "handle_timeout", note="req-2's window lapsed: not a loss by itself")[
-        "outputs"] == []
+    assert r.at(4.33).step("D", "handle_timeout", note="req-2's window lapsed: not a loss by itself")["outputs"] == []
     frees = r.at(6.0).step("P", "handle_timeout")["outputs"]
     assert sorted(f["key"] for f in frees) == ["req-1", "req-2"]
     assert all(f["reason"] == "expired" for f in frees)
     fin = r.at(6.25).step("D", "access_finished", key="req-1", note="the READ ends after validity")
     done = only(fin, "Send")
     assert done["message"]["confirm"] is True
-    res = r.at(6.375).step("D", "handle_timeout", note="req-2: a whole lease duration without an ack "
-                           "since the last acknowledged heartbeat was sent: given up")
+    res = r.at(6.375).step(
+        "D",
+        "handle_timeout",
+        note="req-2: a whole lease duration without an ack since the last acknowledged heartbeat was sent: given up",
+    )
     lost = outs(res, "LeaseLost")
     assert len(lost) == 1 and lost[0]["key"] == "req-2" and lost[0]["reason"] == "validity_lapsed"
     ack = only(r.at(7.0).deliver("P", done, "the partition heals"), "Send")
@@ -288,12 +325,16 @@ def late_read() -> Recorder:
 
 
 def late_read_confirmed() -> Recorder:
-    r = Recorder("late_read_confirmed", "Acks are lost (heartbeats still arrive), so the "
-                 "accessor cannot prove validity and asks; the pinner still holds the lease and "
-                 "confirms: AccessCompleted(confirmed_by_pinner=true). Without an answer in time "
-                 "the accessor would report the access stale.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED0005), "D": accessor("decode-0")},
-                 {"P": 600.5, "D": 190000.25})
+    r = Recorder(
+        "late_read_confirmed",
+        "Acks are lost (heartbeats still arrive), so the "
+        "accessor cannot prove validity and asks; the pinner still holds the lease and "
+        "confirms: AccessCompleted(confirmed_by_pinner=true). Without an answer in time "
+        "the accessor would report the access stale.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0005), "D": accessor("decode-0")},
+        {"P": 600.5, "D": 190000.25},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
@@ -322,13 +363,17 @@ def late_read_confirmed() -> Recorder:
 
 
 def push_mode() -> Recorder:
-    r = Recorder("push_mode", "Push mode: the decoder pins destination pages, the prefiller "
-                 "WRITEs. A write is refused until an acknowledged heartbeat covers the "
-                 "access-time bound. req-2: the writer vanishes mid-write; at expiry the pinner "
-                 "quarantines the pages (a write may still land) and frees them only after the "
-                 "push guard (max_access_time * (1 + rho)); a local release cannot shorten it.",
-                 BASE, {"D": pinner("decode-0", 0x5EED0006), "P": accessor("prefill-0")},
-                 {"D": 8192.0, "P": 65000.5})
+    r = Recorder(
+        "push_mode",
+        "Push mode: the decoder pins destination pages, the prefiller "
+        "WRITEs. A write is refused until an acknowledged heartbeat covers the "
+        "access-time bound. req-2: the writer vanishes mid-write; at expiry the pinner "
+        "quarantines the pages (a write may still land) and frees them only after the "
+        "push guard (max_access_time * (1 + rho)); a local release cannot shorten it.",
+        BASE,
+        {"D": pinner("decode-0", 0x5EED0006), "P": accessor("prefill-0")},
+        {"D": 8192.0, "P": 65000.5},
+    )
     t1 = r.at(0.0).step("D", "grant", key="req-1", push=True)["result"]
     hs = only(r.at(0.0).step("P", "track", key="req-1", ticket=t1, push=True), "HandshakeNeeded")
     dec = r.at(0.125).step("P", "begin_access", key="req-1")["result"]
@@ -362,16 +407,20 @@ def push_mode() -> Recorder:
 
 
 def fixed_ttl_bidirectional() -> Recorder:
-    r = Recorder("fixed_ttl_bidirectional", "Bidirectional turn 1: the decoder pins its KV for "
-                 "the prefiller under a fixed TTL (20 s) stated in the decoder's clock. The "
-                 "prefiller's clock is ~54,000 s apart; it converts the deadline with the "
-                 "handshake offset, taking the error bound (half the round-trip delay) and the "
-                 "drift factor (1-rho)/(1+rho) against itself, minus the margin, once an acknowledged "
-                 "heartbeat round showed the lease is still held for it. Heartbeats are acknowledged "
-                 "but never extend a fixed lease. req-2 runs out: the accessor gives "
-                 "it up before the pinner frees it.",
-                 BASE, {"D": pinner("decode-0", 0x5EED0007), "P": accessor("prefill-0")},
-                 {"D": 60000.0, "P": 5800.5})
+    r = Recorder(
+        "fixed_ttl_bidirectional",
+        "Bidirectional turn 1: the decoder pins its KV for "
+        "the prefiller under a fixed TTL (20 s) stated in the decoder's clock. The "
+        "prefiller's clock is ~54,000 s apart; it converts the deadline with the "
+        "handshake offset, taking the error bound (half the round-trip delay) and the "
+        "drift factor (1-rho)/(1+rho) against itself, minus the margin, once an acknowledged "
+        "heartbeat round showed the lease is still held for it. Heartbeats are acknowledged "
+        "but never extend a fixed lease. req-2 runs out: the accessor gives "
+        "it up before the pinner frees it.",
+        BASE,
+        {"D": pinner("decode-0", 0x5EED0007), "P": accessor("prefill-0")},
+        {"D": 60000.0, "P": 5800.5},
+    )
     t1 = r.at(0.0).step("D", "grant", key="turn1-a", kind=1)["result"]
     t2 = r.at(0.0).step("D", "grant", key="turn1-b", kind=1, ttl=10.0)["result"]
     assert t1["deadline"] == r.local("D", 20.0) and t2["deadline"] == r.local("D", 10.0)
@@ -381,8 +430,12 @@ def fixed_ttl_bidirectional() -> Recorder:
     # the 0.15 s error bound (delay / 2).
     reply = r.at(1.1).step("D", "handshake", hex=hs["hex"])
     r.at(1.3).step("P", "handshake_reply", hex=reply["result"]["hex"])
-    early = r.at(1.3).step("P", "begin_access", key="turn1-a", note="no acknowledged heartbeat yet: the "
-                           "deadline alone does not prove the lease is still held for us")["result"]
+    early = r.at(1.3).step(
+        "P",
+        "begin_access",
+        key="turn1-a",
+        note="no acknowledged heartbeat yet: the deadline alone does not prove the lease is still held for us",
+    )["result"]
     assert early["allowed"] and not early["guaranteed"] and early["valid_until"] is None
     r.at(1.3).step("P", "access_failed", key="turn1-a", posted=False)
     acks = heartbeat_round(r, "P", ["D"], 1.4)
@@ -424,13 +477,20 @@ def fixed_ttl_bidirectional() -> Recorder:
 
 
 def pinner_restart() -> Recorder:
-    r = Recorder("pinner_restart", "The prefill engine restarts (new incarnation, lease ids "
-                 "start again at 1). The accessor's next heartbeat is answered by the new "
-                 "incarnation: it gives up req-1 (pinner_restarted) and re-handshakes. A delayed "
-                 "heartbeat of the old incarnation naming id 1 never renews the new lease 1.",
-                 BASE, {"P": pinner("prefill-0", 0x1111111111111111), "P2": pinner("prefill-0", 0x2222222222222222),
-                        "D": accessor("decode-0")},
-                 {"P": 40000.0, "P2": 40000.0, "D": 2222.25})
+    r = Recorder(
+        "pinner_restart",
+        "The prefill engine restarts (new incarnation, lease ids "
+        "start again at 1). The accessor's next heartbeat is answered by the new "
+        "incarnation: it gives up req-1 (pinner_restarted) and re-handshakes. A delayed "
+        "heartbeat of the old incarnation naming id 1 never renews the new lease 1.",
+        BASE,
+        {
+            "P": pinner("prefill-0", 0x1111111111111111),
+            "P2": pinner("prefill-0", 0x2222222222222222),
+            "D": accessor("decode-0"),
+        },
+        {"P": 40000.0, "P2": 40000.0, "D": 2222.25},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
     connect(r, "D", "P", hs, 0.25)
@@ -456,15 +516,22 @@ def pinner_restart() -> Recorder:
 
 
 def hetero_tp_pinner_wider() -> Recorder:
-    r = Recorder("hetero_tp_pinner_wider", "Prefill TP=2, decode TP=1: the decoder's one worker "
-                 "reads from both prefill workers, so it heartbeats each of them (one send per rank), "
-                 "validity needs the ack of every rank, and each prefill worker frees on the one "
-                 "access-done it expects. An access begun before the round is fully acknowledged is "
-                 "not guaranteed; the driver had not posted it, so it backs off (posted=false) and "
-                 "retries under the same lease.",
-                 BASE, {"P0": pinner("prefill-0", 0x5EED0009, 0, 2), "P1": pinner("prefill-0", 0x5EED0009, 1, 2),
-                        "D": accessor("decode-0")},
-                 {"P0": 9000.0, "P1": 9000.0, "D": 123.0})
+    r = Recorder(
+        "hetero_tp_pinner_wider",
+        "Prefill TP=2, decode TP=1: the decoder's one worker "
+        "reads from both prefill workers, so it heartbeats each of them (one send per rank), "
+        "validity needs the ack of every rank, and each prefill worker frees on the one "
+        "access-done it expects. An access begun before the round is fully acknowledged is "
+        "not guaranteed; the driver had not posted it, so it backs off (posted=false) and "
+        "retries under the same lease.",
+        BASE,
+        {
+            "P0": pinner("prefill-0", 0x5EED0009, 0, 2),
+            "P1": pinner("prefill-0", 0x5EED0009, 1, 2),
+            "D": accessor("decode-0"),
+        },
+        {"P0": 9000.0, "P1": 9000.0, "D": 123.0},
+    )
     t = r.at(0.0).step("P0", "grant", key="req-1")["result"]
     assert r.at(0.0).step("P1", "grant", key="req-1")["result"] == {**t, "engine_id": "prefill-0"}
     assert t["ranks"] == 2
@@ -478,8 +545,13 @@ def hetero_tp_pinner_wider() -> Recorder:
     r.at(0.625).deliver("D", a0)
     dec = r.at(0.7).step("D", "begin_access", key="req-1", note="rank 1 has not acked yet")["result"]
     assert dec["allowed"] and not dec["guaranteed"] and dec["targets"] == [0, 1]
-    r.at(0.75).step("D", "access_failed", key="req-1", posted=False,
-                    note="the driver backs off before posting anything, and retries")
+    r.at(0.75).step(
+        "D",
+        "access_failed",
+        key="req-1",
+        posted=False,
+        note="the driver backs off before posting anything, and retries",
+    )
     r.at(0.75).deliver("D", a1)
     dec = r.at(0.8).step("D", "begin_access", key="req-1")["result"]
     assert dec["allowed"] and dec["guaranteed"]
@@ -492,13 +564,20 @@ def hetero_tp_pinner_wider() -> Recorder:
 
 
 def hetero_tp_accessor_wider() -> Recorder:
-    r = Recorder("hetero_tp_accessor_wider", "Prefill TP=1, decode TP=2: both decode workers "
-                 "heartbeat the one prefill worker (it simply renews twice), and the lease ends "
-                 "only when both have reported their access done (expected = 2, derived by the "
-                 "pinner from the sender's rank and ranks). A duplicate from one rank counts once.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED000A), "D0": accessor("decode-0", 0, 2, 0xD0),
-                        "D1": accessor("decode-0", 1, 2, 0xD1)},
-                 {"P": 555.5, "D0": 70000.0, "D1": 70000.0})
+    r = Recorder(
+        "hetero_tp_accessor_wider",
+        "Prefill TP=1, decode TP=2: both decode workers "
+        "heartbeat the one prefill worker (it simply renews twice), and the lease ends "
+        "only when both have reported their access done (expected = 2, derived by the "
+        "pinner from the sender's rank and ranks). A duplicate from one rank counts once.",
+        BASE,
+        {
+            "P": pinner("prefill-0", 0x5EED000A),
+            "D0": accessor("decode-0", 0, 2, 0xD0),
+            "D1": accessor("decode-0", 1, 2, 0xD1),
+        },
+        {"P": 555.5, "D0": 70000.0, "D1": 70000.0},
+    )
     t = r.at(0.0).step("P", "grant", key="req-1")["result"]
     hs0 = only(r.at(0.0).step("D0", "track", key="req-1", ticket=t), "HandshakeNeeded")
     hs1 = only(r.at(0.0).step("D1", "track", key="req-1", ticket=t), "HandshakeNeeded")
@@ -520,14 +599,18 @@ def hetero_tp_accessor_wider() -> Recorder:
 
 
 def release() -> Recorder:
-    r = Recorder("release", "Aborts before access. req-1: the decoder untracks it and sends "
-                 "Release; the pinner frees at once. req-2: the prefill engine aborts locally "
-                 "before any heartbeat for it was acknowledged (so no accessor can hold validity "
-                 "and it may free at once); the decoder tracks it later and the first heartbeat's "
-                 "ack tells it the lease was released. Duplicate releases do nothing. req-3: the "
-                 "prefill engine aborts after an acknowledged heartbeat: held until expiry.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED000B), "D": accessor("decode-0")},
-                 {"P": 1000.0, "D": 2000.0})
+    r = Recorder(
+        "release",
+        "Aborts before access. req-1: the decoder untracks it and sends "
+        "Release; the pinner frees at once. req-2: the prefill engine aborts locally "
+        "before any heartbeat for it was acknowledged (so no accessor can hold validity "
+        "and it may free at once); the decoder tracks it later and the first heartbeat's "
+        "ack tells it the lease was released. Duplicate releases do nothing. req-3: the "
+        "prefill engine aborts after an acknowledged heartbeat: held until expiry.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED000B), "D": accessor("decode-0")},
+        {"P": 1000.0, "D": 2000.0},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
@@ -552,8 +635,9 @@ def release() -> Recorder:
     t3 = r.at(2.0).step("P", "grant", key="req-3")["result"]
     assert r.at(2.0).step("D", "track", key="req-3", ticket=t3)["outputs"] == []
     heartbeat_round(r, "D", ["P"], 2.125)
-    assert r.at(3.0).step("P", "release", lease_id=3, note="held: an acked heartbeat promised validity")[
-        "outputs"] == []
+    assert (
+        r.at(3.0).step("P", "release", lease_id=3, note="held: an acked heartbeat promised validity")["outputs"] == []
+    )
     acks = heartbeat_round(r, "D", ["P"], 3.5)
     lost = only(acks[0], "LeaseLost")
     assert lost["key"] == "req-3" and lost["reason"] == "released"
@@ -565,13 +649,17 @@ def release() -> Recorder:
 
 def heartbeat_batching() -> Recorder:
     cfg = BASE.with_changes(max_message_bytes=192)
-    r = Recorder("heartbeat_batching", "60 leases on one pinner with a 192-byte message bound "
-                 "(a small-notification backend): the accessor splits its heartbeat by the exact "
-                 "rule of spec §4.3 (budget = 192 - max(52 + 8, 114 + 9) = 69 bytes; each chunk "
-                 "costs 5 + size(first id) + the sizes of every other id's distance from the "
-                 "first), so every heartbeat and every ack answering it stays within the bound.",
-                 cfg, {"P": pinner("prefill-0", 0x5EED000C), "D": accessor("decode-0")},
-                 {"P": 300.0, "D": 4000.0})
+    r = Recorder(
+        "heartbeat_batching",
+        "60 leases on one pinner with a 192-byte message bound "
+        "(a small-notification backend): the accessor splits its heartbeat by the exact "
+        "rule of spec §4.3 (budget = 192 - max(52 + 8, 114 + 9) = 69 bytes; each chunk "
+        "costs 5 + size(first id) + the sizes of every other id's distance from the "
+        "first), so every heartbeat and every ack answering it stays within the bound.",
+        cfg,
+        {"P": pinner("prefill-0", 0x5EED000C), "D": accessor("decode-0")},
+        {"P": 300.0, "D": 4000.0},
+    )
     tickets = []
     lid = 0
     for i in range(60):
@@ -596,10 +684,15 @@ def heartbeat_batching() -> Recorder:
 
 def vllm_compat() -> Recorder:
     cfg = BASE.with_changes(vllm_compat=True)
-    r = Recorder("vllm_compat", "A stock vLLM decoder speaks 'HB:' + ','.join(request ids) and "
-                 "'<request id>:<count>'. The pinner renews by request id, ignores unknown ids, "
-                 "and frees after `count` read-done notifications.",
-                 cfg, {"P": pinner("prefill-0", 0x5EED000D)}, {"P": 12.0})
+    r = Recorder(
+        "vllm_compat",
+        "A stock vLLM decoder speaks 'HB:' + ','.join(request ids) and "
+        "'<request id>:<count>'. The pinner renews by request id, ignores unknown ids, "
+        "and frees after `count` read-done notifications.",
+        cfg,
+        {"P": pinner("prefill-0", 0x5EED000D)},
+        {"P": 12.0},
+    )
     r.at(0.0).step("P", "grant", key="req-1")
     r.at(0.0).step("P", "grant", key="req-2")
     r.at(0.0).step("P", "grant", key="req-3")
@@ -617,19 +710,24 @@ def vllm_compat() -> Recorder:
 
 
 def rejections_and_misuse() -> Recorder:
-    r = Recorder("rejections_and_misuse", "Messages that decode but are refused are Rejected "
-                 "outputs (nothing else changes); bytes that do not decode are a DecodeError; "
-                 "local misuse (time running backwards, an id never issued, finishing an access "
-                 "never begun, tracking twice, a clock reading beyond 2**32 s) is a "
-                 "LocalProtocolError and changes nothing.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED000E), "D": accessor("decode-0", session=0xD)},
-                 {"P": 50.0, "D": 60.0})
+    r = Recorder(
+        "rejections_and_misuse",
+        "Messages that decode but are refused are Rejected "
+        "outputs (nothing else changes); bytes that do not decode are a DecodeError; "
+        "local misuse (time running backwards, an id never issued, finishing an access "
+        "never begun, tracking twice, a clock reading beyond 2**32 s) is a "
+        "LocalProtocolError and changes nothing.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED000E), "D": accessor("decode-0", session=0xD)},
+        {"P": 50.0, "D": 60.0},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
-    wrong = HeartbeatAck("decode-0", 0, 1, 0, 0xD, 1, 1.0, 1.0, 0)  # type: ignore[arg-type]
+    wrong = HeartbeatAck("decode-0", 0, 1, 0, 0xD, 1, PeerTime(1.0), PeerTime(1.0), 0)
     assert only(r.at(0.5).step("P", "receive", hex=encode(wrong).hex()), "Rejected")["engine_id"] == "decode-0"
-    future = Handshake("decode-0", 0, 1, 0xD, 7, 7, 1, 60.5)  # type: ignore[arg-type]
-    resp = r.at(0.5).step("P", "receive", note="handshake announcing a future protocol version (in a v2 frame)",
-                          hex=encode(future).hex())
+    future = Handshake("decode-0", 0, 1, 0xD, 7, 7, 1, LocalTime(60.5))
+    resp = r.at(0.5).step(
+        "P", "receive", note="handshake announcing a future protocol version (in a v2 frame)", hex=encode(future).hex()
+    )
     assert [o["type"] for o in resp["outputs"]] == ["Rejected", "Send"]
     bad = r.at(0.5).step("P", "receive", hex="c14b9202")
     assert bad["error"]["class"] == "DecodeError"
@@ -643,23 +741,23 @@ def rejections_and_misuse() -> Recorder:
     hs = only(r.at(0.5).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
     assert r.at(0.5).step("D", "track", key="req-1", ticket=t1)["error"]["class"] == "LocalProtocolError"
     connect(r, "D", "P", hs, 0.75)
-    bogus = AccessDone("decode-0", 3, 2, 0xD, 0x5EED000E, 1, 1, False, 61.0)  # type: ignore[arg-type]
+    bogus = AccessDone("decode-0", 3, 2, 0xD, 0x5EED000E, 1, 1, False, LocalTime(61.0))
     rej = r.at(1.0).step("P", "receive", hex=encode(bogus).hex(), note="rank 3 of a 2-rank engine")
     assert only(rej, "Rejected")
     t2 = r.at(1.0).step("P", "grant", key="req-2", expected=2)["result"]
-    one = AccessDone("decode-0", 0, 1, 0xD, 0x5EED000E, t2["lease_id"], 1, False, 61.0)  # type: ignore[arg-type]
-    rej = r.at(1.0).step("P", "receive", hex=encode(one).hex(),
-                         note="granted with expected=2; a 1-rank accessor's layout says 1")
+    one = AccessDone("decode-0", 0, 1, 0xD, 0x5EED000E, t2["lease_id"], 1, False, LocalTime(61.0))
+    rej = r.at(1.0).step(
+        "P", "receive", hex=encode(one).hex(), note="granted with expected=2; a 1-rank accessor's layout says 1"
+    )
     assert only(rej, "Rejected")
-    hb = Heartbeat("decode-0", 0, 1, 0xD, 0x5EED000E, 1, 61.0, (1,))  # type: ignore[arg-type]
+    hb = Heartbeat("decode-0", 0, 1, 0xD, 0x5EED000E, 1, LocalTime(61.0), (1,))
     assert only(r.at(0.9 + 0.2).step("D", "receive", hex=encode(hb).hex()), "Rejected")
-    alien = HeartbeatAck("prefill-0", 0, 0x5EED000E, 0, 0xE, 1, 61.0, 51.0, 1)  # type: ignore[arg-type]
+    alien = HeartbeatAck("prefill-0", 0, 0x5EED000E, 0, 0xE, 1, PeerTime(61.0), PeerTime(51.0), 1)
     note = "an ack addressed to another session"
     assert only(r.at(1.2).step("D", "receive", hex=encode(alien).hex(), note=note), "Rejected")
     forged = AccessDoneAck("prefill-0", 0, 0x5EED000E, 0, 0xD, 1, 99, AccessOutcome.OK)
     note = "an unasked confirmation is ignored"
     assert r.at(1.3).step("D", "receive", hex=encode(forged).hex(), note=note)["outputs"] == []
-    assert Release and HandshakeReply  # imported for the codec vectors below
     return r
 
 
@@ -675,14 +773,18 @@ def forged(hex_: str, **changes: Any) -> str:
 
 def retrack() -> Recorder:
     cfg = BASE.with_changes(tombstone_limit=2)
-    r = Recorder("retrack", "A lease is tracked at most once by one accessor. req-1 is untracked; "
-                 "its Release is held in the network while the engine re-tracks the same ticket: "
-                 "refused (LocalProtocolError), so no heartbeat can renew the lease under a second "
-                 "tracking that the late Release would then free. The same after a completed read "
-                 "(req-2). The accessor remembers tombstone_limit (here 2) given-up leases; an "
-                 "older ticket at or below the watermark is refused as LeaseLost 'forgotten'.",
-                 cfg, {"P": pinner("prefill-0", 0x5EED0101), "D": accessor("decode-0")},
-                 {"P": 7000.0, "D": 18000.5})
+    r = Recorder(
+        "retrack",
+        "A lease is tracked at most once by one accessor. req-1 is untracked; "
+        "its Release is held in the network while the engine re-tracks the same ticket: "
+        "refused (LocalProtocolError), so no heartbeat can renew the lease under a second "
+        "tracking that the late Release would then free. The same after a completed read "
+        "(req-2). The accessor remembers tombstone_limit (here 2) given-up leases; an "
+        "older ticket at or below the watermark is refused as LeaseLost 'forgotten'.",
+        cfg,
+        {"P": pinner("prefill-0", 0x5EED0101), "D": accessor("decode-0")},
+        {"P": 7000.0, "D": 18000.5},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     t3 = r.at(0.0).step("P", "grant", key="req-3")["result"]
@@ -699,8 +801,9 @@ def retrack() -> Recorder:
     fin = r.at(1.75).step("D", "access_finished", key="k2")
     done = outs(fin, "Send")[0]
     assert outs(fin, "AccessCompleted")
-    again = r.at(2.0).step("D", "track", key="k2-again", ticket=t2, note="re-track after completion; "
-                           "the access-done is still in flight")
+    again = r.at(2.0).step(
+        "D", "track", key="k2-again", ticket=t2, note="re-track after completion; the access-done is still in flight"
+    )
     assert again["error"]["class"] == "LocalProtocolError"
     assert only(r.at(2.25).deliver("P", done), "Free")["reason"] == "access_done"
     # A third give-up pushes req-1 out of the accessor's memory (limit 2): its id falls under
@@ -713,26 +816,41 @@ def retrack() -> Recorder:
 
 
 def wrong_rank() -> Recorder:
-    r = Recorder("wrong_rank", "Pinner TP 2, accessor TP 2: accessor rank r accesses pinner rank r "
-                 "only, and heartbeats only it. Accessor rank 1's AccessDone delivered to pinner "
-                 "rank 0 (the right engine, the wrong rank) is Rejected and counts nothing; so is "
-                 "its heartbeat there, and a rank outside the sender's engine. When accessor rank 0 "
-                 "finishes and pinner rank 0 frees, accessor rank 1 keeps its lease (it never "
-                 "heartbeats rank 0, so it never hears 'completed' from it) and reads later.",
-                 BASE, {"P0": pinner("prefill-0", 0x5EED0102, 0, 2), "P1": pinner("prefill-0", 0x5EED0102, 1, 2),
-                        "D0": accessor("decode-0", 0, 2, 0xD0), "D1": accessor("decode-0", 1, 2, 0xD1)},
-                 {"P0": 3000.0, "P1": 3000.0, "D0": 90000.0, "D1": 90000.0})
+    r = Recorder(
+        "wrong_rank",
+        "Pinner TP 2, accessor TP 2: accessor rank r accesses pinner rank r "
+        "only, and heartbeats only it. Accessor rank 1's AccessDone delivered to pinner "
+        "rank 0 (the right engine, the wrong rank) is Rejected and counts nothing; so is "
+        "its heartbeat there, and a rank outside the sender's engine. When accessor rank 0 "
+        "finishes and pinner rank 0 frees, accessor rank 1 keeps its lease (it never "
+        "heartbeats rank 0, so it never hears 'completed' from it) and reads later.",
+        BASE,
+        {
+            "P0": pinner("prefill-0", 0x5EED0102, 0, 2),
+            "P1": pinner("prefill-0", 0x5EED0102, 1, 2),
+            "D0": accessor("decode-0", 0, 2, 0xD0),
+            "D1": accessor("decode-0", 1, 2, 0xD1),
+        },
+        {"P0": 3000.0, "P1": 3000.0, "D0": 90000.0, "D1": 90000.0},
+    )
     t = r.at(0.0).step("P0", "grant", key="req-1")["result"]
     r.at(0.0).step("P1", "grant", key="req-1")
     hs0 = only(r.at(0.0).step("D0", "track", key="req-1", ticket=t), "HandshakeNeeded")
     hs1 = only(r.at(0.0).step("D1", "track", key="req-1", ticket=t), "HandshakeNeeded")
     connect(r, "D0", "P0", hs0, 0.125)
-    connect(r, "D1", "P0", hs1, 0.25, )
+    connect(
+        r,
+        "D1",
+        "P0",
+        hs1,
+        0.25,
+    )
     hb0 = r.at(0.375).step("D0", "handle_timeout")
     hb1 = r.at(0.375).step("D1", "handle_timeout")
     assert [s["rank"] for s in outs(hb0, "Send")] == [0] and [s["rank"] for s in outs(hb1, "Send")] == [1]
-    stray = only(r.at(0.5).deliver("P0", outs(hb1, "Send")[0], "rank 1's heartbeat misrouted to pinner rank 0"),
-                 "Rejected")
+    stray = only(
+        r.at(0.5).deliver("P0", outs(hb1, "Send")[0], "rank 1's heartbeat misrouted to pinner rank 0"), "Rejected"
+    )
     assert stray
     a0 = only(r.at(0.5).deliver("P0", outs(hb0, "Send")[0]), "Send")
     a1 = only(r.at(0.5).deliver("P1", outs(hb1, "Send")[0]), "Send")
@@ -741,12 +859,13 @@ def wrong_rank() -> Recorder:
     assert r.at(0.625).step("D0", "begin_access", key="req-1")["result"]["guaranteed"]
     fin0 = r.at(0.875).step("D0", "access_finished", key="req-1")
     assert outs(fin0, "AccessCompleted")
-    hx = AccessDone("decode-0", 1, 2, 0xD1, 0x5EED0102, 1, 1, False, 90001.0)  # type: ignore[arg-type]
+    hx = AccessDone("decode-0", 1, 2, 0xD1, 0x5EED0102, 1, 1, False, LocalTime(90001.0))
     rej = r.at(1.0).step("P0", "receive", hex=encode(hx).hex(), note="accessor rank 1's access-done at pinner rank 0")
     assert only(rej, "Rejected")
-    far = AccessDone("decode-0", 70000 % 65536, 2, 0xD1, 0x5EED0102, 1, 1, False, 90001.0)  # type: ignore[arg-type]
-    assert only(r.at(1.0).step("P0", "receive", hex=encode(far).hex(), note="a rank the sender's engine lacks"),
-                "Rejected")
+    far = AccessDone("decode-0", 70000 % 65536, 2, 0xD1, 0x5EED0102, 1, 1, False, LocalTime(90001.0))
+    assert only(
+        r.at(1.0).step("P0", "receive", hex=encode(far).hex(), note="a rank the sender's engine lacks"), "Rejected"
+    )
     assert only(r.at(1.125).deliver("P0", outs(fin0, "Send")[0]), "Free")["reason"] == "access_done"
     acks = heartbeat_round(r, "D1", ["P0", "P1"], 1.375)
     assert all(a["outputs"] == [] for a in acks), "rank 1 keeps its lease"
@@ -758,21 +877,30 @@ def wrong_rank() -> Recorder:
 
 
 def handshake_binding() -> Recorder:
-    r = Recorder("handshake_binding", "A handshake reply counts only for the handshake it answers "
-                 "(the accessor's rank, session, seq and send time). While no reply comes the "
-                 "accessor handshakes again every interval. A reply produced for another accessor "
-                 "(here one whose clock is 10 s ahead) is Rejected and gives no clock sample; a "
-                 "duplicate of an accepted reply does nothing. After the pinner restarts, the reply "
-                 "of the new incarnation loses the old incarnation's leases, and a late duplicate "
-                 "of the old incarnation's reply cannot bring them back.",
-                 BASE, {"P": pinner("prefill-0", 0x1111), "P2": pinner("prefill-0", 0x2222),
-                        "A": accessor("decode-0", session=0xA), "B": accessor("decode-1", session=0xB)},
-                 {"P": 500.0, "P2": 500.0, "A": 40000.0, "B": 40010.0})
+    r = Recorder(
+        "handshake_binding",
+        "A handshake reply counts only for the handshake it answers "
+        "(the accessor's rank, session, seq and send time). While no reply comes the "
+        "accessor handshakes again every interval. A reply produced for another accessor "
+        "(here one whose clock is 10 s ahead) is Rejected and gives no clock sample; a "
+        "duplicate of an accepted reply does nothing. After the pinner restarts, the reply "
+        "of the new incarnation loses the old incarnation's leases, and a late duplicate "
+        "of the old incarnation's reply cannot bring them back.",
+        BASE,
+        {
+            "P": pinner("prefill-0", 0x1111),
+            "P2": pinner("prefill-0", 0x2222),
+            "A": accessor("decode-0", session=0xA),
+            "B": accessor("decode-1", session=0xB),
+        },
+        {"P": 500.0, "P2": 500.0, "A": 40000.0, "B": 40010.0},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1", kind=1)["result"]
     hs_a = only(r.at(0.0).step("A", "track", key="turn1", ticket=t1), "HandshakeNeeded")
     assert r.at(0.5).step("A", "handle_timeout")["outputs"] == []
-    hs_a2 = only(r.at(1.0).step("A", "handle_timeout", note="no reply yet: handshake again every interval"),
-                 "HandshakeNeeded")
+    hs_a2 = only(
+        r.at(1.0).step("A", "handle_timeout", note="no reply yet: handshake again every interval"), "HandshakeNeeded"
+    )
     assert hs_a2["hex"] != hs_a["hex"]
     t1b = r.at(1.0).step("P", "grant", key="req-b")["result"]
     hs_b = only(r.at(1.0).step("B", "track", key="b", ticket=t1b), "HandshakeNeeded")
@@ -782,8 +910,7 @@ def handshake_binding() -> Recorder:
     assert only(rej, "Rejected")
     dec = r.at(1.2).step("A", "begin_access", key="turn1")["result"]
     assert not dec["allowed"], "no connection, no clock sample from B's reply"
-    assert r.at(1.3).step("A", "handshake_reply", hex=reply_a, note="the reply to A's first handshake")[
-        "outputs"] == []
+    assert r.at(1.3).step("A", "handshake_reply", hex=reply_a, note="the reply to A's first handshake")["outputs"] == []
     assert r.at(1.4).step("A", "handshake_reply", hex=reply_a, note="a duplicate")["outputs"] == []
     heartbeat_round(r, "A", ["P"], 1.45)
     dec = r.at(1.96).step("A", "begin_access", key="turn1")["result"]
@@ -795,8 +922,9 @@ def handshake_binding() -> Recorder:
     reply2 = r.at(2.1).step("P2", "handshake", hex=hs3["hex"])["result"]["hex"]
     lost = only(r.at(2.2).step("A", "handshake_reply", hex=reply2), "LeaseLost")
     assert lost["key"] == "turn1" and lost["reason"] == "pinner_restarted"
-    assert r.at(2.3).step("A", "handshake_reply", hex=reply_a, note="the old incarnation's reply, late")[
-        "outputs"] == []
+    assert (
+        r.at(2.3).step("A", "handshake_reply", hex=reply_a, note="the old incarnation's reply, late")["outputs"] == []
+    )
     acks = heartbeat_round(r, "A", ["P2"], 2.5)
     assert all(a["outputs"] == [] for a in acks)
     assert r.at(3.25).step("A", "begin_access", key="new")["result"]["guaranteed"]
@@ -804,15 +932,22 @@ def handshake_binding() -> Recorder:
 
 
 def ack_binding() -> Recorder:
-    r = Recorder("ack_binding", "A heartbeat ack counts only for the heartbeat it answers: the "
-                 "accessor's rank and session, a seq that never repeats within a session (not even "
-                 "after disconnect), the echoed send time, and ids that account exactly for the "
-                 "heartbeat's. An ack from before a disconnect, an ack meant for a sibling rank (whose "
-                 "clock reads the same), and an ack whose lists contradict its heartbeat all confer "
-                 "nothing.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED0104, 0, 1),
-                        "D0": accessor("decode-0", 0, 2, 0xD0), "D1": accessor("decode-0", 1, 2, 0xD1)},
-                 {"P": 800.0, "D0": 60000.0, "D1": 60000.0})
+    r = Recorder(
+        "ack_binding",
+        "A heartbeat ack counts only for the heartbeat it answers: the "
+        "accessor's rank and session, a seq that never repeats within a session (not even "
+        "after disconnect), the echoed send time, and ids that account exactly for the "
+        "heartbeat's. An ack from before a disconnect, an ack meant for a sibling rank (whose "
+        "clock reads the same), and an ack whose lists contradict its heartbeat all confer "
+        "nothing.",
+        BASE,
+        {
+            "P": pinner("prefill-0", 0x5EED0104, 0, 1),
+            "D0": accessor("decode-0", 0, 2, 0xD0),
+            "D1": accessor("decode-0", 1, 2, 0xD1),
+        },
+        {"P": 800.0, "D0": 60000.0, "D1": 60000.0},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     hs = only(r.at(0.0).step("D0", "track", key="k1", ticket=t1), "HandshakeNeeded")
     connect(r, "D0", "P", hs, 0.25)
@@ -838,8 +973,7 @@ def ack_binding() -> Recorder:
     assert only(r.at(1.375).deliver("D0", ack1, "the sibling's ack"), "Rejected")
     # D0's own round: the ack is tampered with to claim a renewal it does not account for.
     bad = forged(ack2["hex"], renewed=0)
-    assert only(r.at(1.375).step("D0", "receive", hex=bad, note="renewed + listed != ids in the heartbeat"),
-                "Rejected")
+    assert only(r.at(1.375).step("D0", "receive", hex=bad, note="renewed + listed != ids in the heartbeat"), "Rejected")
     assert r.at(1.4).deliver("D0", ack2)["outputs"] == []
     dec = r.at(1.5).step("D0", "begin_access", key="k2")["result"]
     assert dec["guaranteed"], "the genuine ack still counts"
@@ -847,14 +981,18 @@ def ack_binding() -> Recorder:
 
 
 def failed_transfer() -> Recorder:
-    r = Recorder("failed_transfer", "A transfer posted with its access-done attached fails at the "
-                 "transport, but the notification lands and the pinner frees. The accessor gives "
-                 "the lease up (LeaseLost 'access_failed', and a Release to the targets) instead of "
-                 "letting the engine retry a read of freed memory; the engine needs a fresh lease. "
-                 "An attempt nothing of which was posted may be retried (posted=false), and a "
-                 "verdict on an earlier attempt never completes a later one.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED0105), "D": accessor("decode-0")},
-                 {"P": 12.5, "D": 2400.0})
+    r = Recorder(
+        "failed_transfer",
+        "A transfer posted with its access-done attached fails at the "
+        "transport, but the notification lands and the pinner frees. The accessor gives "
+        "the lease up (LeaseLost 'access_failed', and a Release to the targets) instead of "
+        "letting the engine retry a read of freed memory; the engine needs a fresh lease. "
+        "An attempt nothing of which was posted may be retried (posted=false), and a "
+        "verdict on an earlier attempt never completes a later one.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0105), "D": accessor("decode-0")},
+        {"P": 12.5, "D": 2400.0},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     hs = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
@@ -883,8 +1021,13 @@ def failed_transfer() -> Recorder:
 
     attempt1 = decode(bytes.fromhex(first["notification"]))
     assert isinstance(attempt1, AccessDone)
-    verdict = {"hex": encode(AccessDoneAck(
-        "prefill-0", 0, 0x5EED0105, 0, 0xACCE55, attempt1.lease_id, attempt1.attempt, AccessOutcome.OK)).hex()}
+    verdict = {
+        "hex": encode(
+            AccessDoneAck(
+                "prefill-0", 0, 0x5EED0105, 0, 0xACCE55, attempt1.lease_id, attempt1.attempt, AccessOutcome.OK
+            )
+        ).hex()
+    }
     second = r.at(4.8).step("D", "begin_access", key="k2")["result"]
     assert second["allowed"] and second["notification"] != first["notification"]
     assert r.at(4.9).deliver("D", verdict, "an OK verdict naming attempt 1 reaches attempt 2")["outputs"] == []
@@ -898,15 +1041,19 @@ def failed_transfer() -> Recorder:
 
 
 def expiry_edges() -> Recorder:
-    r = Recorder("expiry_edges", "A lease is expired at pinner time now >= expiry, before "
-                 "handle_timeout frees it: a heartbeat handled exactly at the expiry lists it "
-                 "'expired' (no renewal) and an access-done asking for confirmation is answered "
-                 "STALE. The ack's lists become LeaseLost: 'expired' for a waiting lease, 'unknown' "
-                 "for an id the pinner never granted; a lease lost during an access is reported "
-                 "AccessStale when the access finishes. An access-done for an id never granted is "
-                 "answered UNKNOWN.",
-                 BASE, {"P": pinner("prefill-0", 0x5EED0106), "D": accessor("decode-0")},
-                 {"P": 100.0, "D": 200.0})
+    r = Recorder(
+        "expiry_edges",
+        "A lease is expired at pinner time now >= expiry, before "
+        "handle_timeout frees it: a heartbeat handled exactly at the expiry lists it "
+        "'expired' (no renewal) and an access-done asking for confirmation is answered "
+        "STALE. The ack's lists become LeaseLost: 'expired' for a waiting lease, 'unknown' "
+        "for an id the pinner never granted; a lease lost during an access is reported "
+        "AccessStale when the access finishes. An access-done for an id never granted is "
+        "answered UNKNOWN.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0106), "D": accessor("decode-0")},
+        {"P": 100.0, "D": 200.0},
+    )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     ghost = {**t1, "lease_id": 50}
@@ -919,7 +1066,7 @@ def expiry_edges() -> Recorder:
     ack = only(r.at(6.0).deliver("P", hb, "handled at now == expiry: expired, not renewed"), "Send")
     assert ack["message"]["renewed"] == 0 and ack["message"]["expired"] == [1, 2]
     assert ack["message"]["unknown"] == [50]
-    stale = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 2, 1, True, 206.0)  # type: ignore[arg-type]
+    stale = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 2, 1, True, LocalTime(206.0))
     res = r.at(6.0).step("P", "receive", hex=encode(stale).hex(), note="confirm-request at now == expiry")
     assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.STALE)
     frees = r.at(6.0).step("P", "handle_timeout")["outputs"]
@@ -931,7 +1078,7 @@ def expiry_edges() -> Recorder:
     assert sorted((x["key"], x["reason"]) for x in lost) == [("ghost", "unknown"), ("k1", "expired"), ("k2", "expired")]
     fin = r.at(6.25).step("D", "access_finished", key="k1", note="lost during the access")
     assert outs(fin, "AccessStale")
-    unknown = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 50, 1, True, 206.0)  # type: ignore[arg-type]
+    unknown = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 50, 1, True, LocalTime(206.0))
     res = r.at(6.5).step("P", "receive", hex=encode(unknown).hex(), note="an id never granted")
     assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.UNKNOWN)
     return r
@@ -939,13 +1086,17 @@ def expiry_edges() -> Recorder:
 
 def bounds() -> Recorder:
     cfg = BASE.with_changes(tombstone_limit=2, max_outstanding_heartbeats=2)
-    r = Recorder("bounds", "Everything is bounded. The pinner remembers tombstone_limit (2) ended "
-                 "leases: a late heartbeat for an older one is answered 'unknown' instead of "
-                 "'completed'. The accessor remembers max_outstanding_heartbeats (2) unanswered "
-                 "rounds per engine: the ack of a forgotten round confers nothing. A grant may fix "
-                 "`expected`; an accessor layout that disagrees is Rejected.",
-                 cfg, {"P": pinner("prefill-0", 0x5EED0107), "D": accessor("decode-0")},
-                 {"P": 4321.0, "D": 1234.0})
+    r = Recorder(
+        "bounds",
+        "Everything is bounded. The pinner remembers tombstone_limit (2) ended "
+        "leases: a late heartbeat for an older one is answered 'unknown' instead of "
+        "'completed'. The accessor remembers max_outstanding_heartbeats (2) unanswered "
+        "rounds per engine: the ack of a forgotten round confers nothing. A grant may fix "
+        "`expected`; an accessor layout that disagrees is Rejected.",
+        cfg,
+        {"P": pinner("prefill-0", 0x5EED0107), "D": accessor("decode-0")},
+        {"P": 4321.0, "D": 1234.0},
+    )
     tickets = [r.at(0.0).step("P", "grant", key=f"req-{i}")["result"] for i in range(1, 4)]
     hs = only(r.at(0.0).step("D", "track", key="k1", ticket=tickets[0]), "HandshakeNeeded")
     connect(r, "D", "P", hs, 0.25)
@@ -955,11 +1106,10 @@ def bounds() -> Recorder:
     only(r.at(1.0).deliver("P", outs(fin, "Send")[0]), "Free")
     assert dec["guaranteed"]
     for lid in (2, 3):
-        done = AccessDone("decode-9", 0, 1, 9, 0x5EED0107, lid, 1, False, 1.0)  # type: ignore[arg-type]
+        done = AccessDone("decode-9", 0, 1, 9, 0x5EED0107, lid, 1, False, LocalTime(1.0))
         only(r.at(1.0).step("P", "receive", hex=encode(done).hex(), note="another accessor completes it"), "Free")
-    late = Heartbeat("decode-0", 0, 1, 0xACCE55, 0x5EED0107, 99, 1235.0, (1, 2, 3))  # type: ignore[arg-type]
-    ack = only(r.at(1.25).step("P", "receive", hex=encode(late).hex(), note="lease 1's tombstone was evicted"),
-               "Send")
+    late = Heartbeat("decode-0", 0, 1, 0xACCE55, 0x5EED0107, 99, LocalTime(1235.0), (1, 2, 3))
+    ack = only(r.at(1.25).step("P", "receive", hex=encode(late).hex(), note="lease 1's tombstone was evicted"), "Send")
     assert ack["message"]["unknown"] == [1] and ack["message"]["completed"] == [2, 3]
     t4 = r.at(1.5).step("P", "grant", key="req-4")["result"]
     r.at(1.5).step("D", "track", key="k4", ticket=t4)
@@ -972,34 +1122,66 @@ def bounds() -> Recorder:
     assert r.at(3.75).step("D", "begin_access", key="k4")["result"]["valid_until"] is None
     r.at(3.75).step("D", "access_failed", key="k4", posted=False)
     t5 = r.at(4.0).step("P", "grant", key="req-5", expected=2)["result"]
-    one = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0107, t5["lease_id"], 1, False, 1238.0)  # type: ignore[arg-type]
-    assert only(r.at(4.0).step("P", "receive", hex=encode(one).hex(), note="granted for 2 accessor ranks"),
-                "Rejected")
+    one = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0107, t5["lease_id"], 1, False, LocalTime(1238.0))
+    assert only(r.at(4.0).step("P", "receive", hex=encode(one).hex(), note="granted for 2 accessor ranks"), "Rejected")
     return r
 
 
 # -- codec vectors ----------------------------------------------------------------------------
 
 
-def codec_cases() -> dict[str, Any]:
+def codec_cases() -> JSONDict:
     from kvlease import decode, decode_vllm
 
-    valid_msgs = [
-        ("handshake", Handshake("decode-0", 1, 2, 0xACCE55, 2, 7, 1, 98333.25)),  # type: ignore[arg-type]
-        ("handshake_reply", HandshakeReply(
-            "prefill-0", 0, 2, 0x5EED0001, 2, 7, 1024, 1, 0xACCE55, 1, 98333.25, 14021.875, 14021.875)),  # type: ignore[arg-type]
-        ("heartbeat", Heartbeat(
-            "decode-0", 0, 1, 0xACCE55, 0x5EED0001, 3, 98334.0, (1, 2, 3, 300, 70000, 2**63))),  # type: ignore[arg-type]
-        ("heartbeat_ack", HeartbeatAck(
-            "prefill-0", 1, 0x5EED0001, 0, 0xACCE55, 3, 98334.0, 14022.5, 2, (7,), (8, 9), (), (12,))),  # type: ignore[arg-type]
-        ("access_done", AccessDone(
-            "decode-0", 1, 2, 0xACCE55, 2**64 - 1, 42, 17, True, 98335.5)),  # type: ignore[arg-type]
+    valid_msgs: list[tuple[str, Message]] = [
+        ("handshake", Handshake("decode-0", 1, 2, 0xACCE55, 2, 7, 1, LocalTime(98333.25))),
+        (
+            "handshake_reply",
+            HandshakeReply(
+                "prefill-0",
+                0,
+                2,
+                0x5EED0001,
+                2,
+                7,
+                1024,
+                1,
+                0xACCE55,
+                1,
+                PeerTime(98333.25),
+                PeerTime(14021.875),
+                PeerTime(14021.875),
+            ),
+        ),
+        (
+            "heartbeat",
+            Heartbeat("decode-0", 0, 1, 0xACCE55, 0x5EED0001, 3, LocalTime(98334.0), (1, 2, 3, 300, 70000, 2**63)),
+        ),
+        (
+            "heartbeat_ack",
+            HeartbeatAck(
+                "prefill-0",
+                1,
+                0x5EED0001,
+                0,
+                0xACCE55,
+                3,
+                PeerTime(98334.0),
+                PeerTime(14022.5),
+                2,
+                (7,),
+                (8, 9),
+                (),
+                (12,),
+            ),
+        ),
+        ("access_done", AccessDone("decode-0", 1, 2, 0xACCE55, 2**64 - 1, 42, 17, True, LocalTime(98335.5))),
         ("access_done_ack", AccessDoneAck("prefill-0", 0, 5, 1, 0xACCE55, 42, 17, AccessOutcome.STALE)),
         ("release", Release("decode-0", 0, 1, 0xACCE55, 5, (4, 5, 900))),
-        ("heartbeat_empty_ids", Heartbeat("d", 0, 1, 0, 0, 0, 0.0, ())),  # type: ignore[arg-type]
-        ("heartbeat_largest_ranks", Heartbeat("d", 65535, 65536, 2**64 - 1, 0, 1, -(2.0**32), (5,))),  # type: ignore[arg-type]
+        ("heartbeat_empty_ids", Heartbeat("d", 0, 1, 0, 0, 0, LocalTime(0.0), ())),
+        ("heartbeat_largest_ranks", Heartbeat("d", 65535, 65536, 2**64 - 1, 0, 1, LocalTime(-(2.0**32)), (5,))),
     ]
-    cases: list[dict[str, Any]] = []
+    cases: list[JSON] = []
     for name, msg in valid_msgs:
         data = encode(msg)
         assert decode(data) == msg
@@ -1009,23 +1191,26 @@ def codec_cases() -> dict[str, Any]:
         ("vllm_done", encode_vllm_done("cmpl-7", 4)),
         ("vllm_done_id_with_colon_last_wins", b"a:b:3"),
     ]:
-        cases.append({"name": name, "codec": "vllm", "hex": raw.hex(),
-                      "expect": {"message": message_to_json(decode_vllm(raw))}})
+        cases.append(
+            {"name": name, "codec": "vllm", "hex": raw.hex(), "expect": {"message": message_to_json(decode_vllm(raw))}}
+        )
 
     import msgpack
 
-    def frame(*items: Any) -> bytes:
-        return b"\xc1\x4b" + msgpack.packb(list(items), use_bin_type=True)
+    def frame(*items: object) -> bytes:
+        body = msgpack.packb(list(items), use_bin_type=True)
+        assert isinstance(body, bytes)
+        return b"\xc1\x4b" + body
 
     # Heartbeat fields after [version, type]: engine_id, rank, ranks, session, incarnation, seq, t_send, ids
     hb_ok = ["decode-0", 0, 1, 7, 1, 1, 1.0, [1, 2]]
 
-    def hb(**change: Any) -> bytes:
+    def hb(**change: object) -> bytes:
         names = ["engine_id", "rank", "ranks", "session", "incarnation", "seq", "t_send", "ids"]
         items = [change.get(n, v) for n, v in zip(names, hb_ok, strict=True)]
         return frame(2, 3, *items)
 
-    bad: list[tuple[str, str, bytes, list[str]]] = [
+    bad: list[tuple[str, str, bytes, list[JSON]]] = [
         ("empty", "native", b"", ["frame"]),
         ("wrong_magic", "native", b"\xc1\x4c" + msgpack.packb([2, 3]), ["frame"]),
         ("vllm_bytes_to_native", "native", b"HB:req-1", ["frame"]),
@@ -1062,8 +1247,12 @@ def codec_cases() -> dict[str, Any]:
         ("ids_overflow_u64", "native", hb(ids=[2**64 - 1, 1]), ["field"]),
         ("ids_not_array", "native", hb(ids=5), ["field"]),
         ("handshake_ranks_zero", "native", frame(2, 1, "d", 0, 0, 7, 2, 7, 1, 1.0), ["field"]),
-        ("handshake_reply_max_message_bytes_zero", "native",
-         frame(2, 2, "p", 0, 1, 5, 2, 7, 0, 0, 7, 1, 1.0, 2.0, 2.0), ["field"]),
+        (
+            "handshake_reply_max_message_bytes_zero",
+            "native",
+            frame(2, 2, "p", 0, 1, 5, 2, 7, 0, 0, 7, 1, 1.0, 2.0, 2.0),
+            ["field"],
+        ),
         ("access_done_confirm_int", "native", frame(2, 5, "d", 0, 1, 7, 5, 1, 1, 0, 1.0), ["field"]),
         ("access_done_ack_outcome_3", "native", frame(2, 6, "p", 0, 5, 0, 7, 1, 1, 3), ["field"]),
         ("release_ranks_zero", "native", frame(2, 7, "d", 0, 0, 7, 5, [1]), ["field"]),
@@ -1082,14 +1271,28 @@ def codec_cases() -> dict[str, Any]:
 
     key_new, key_old = bytes(range(16)), bytes(range(200, 232))
     sealed_new, sealed_old = FrameAuth([key_new]), FrameAuth([key_old])
-    rotating = [key_new.hex(), key_old.hex()]
+    rotating: list[JSON] = [key_new.hex(), key_old.hex()]
     for name, msg in valid_msgs[:7]:
         data = sealed_new.seal(encode(msg))
-        cases.append({"name": f"sealed_{name}", "codec": "sealed", "keys": [key_new.hex()], "hex": data.hex(),
-                      "expect": {"message": message_to_json(msg)}})
+        cases.append(
+            {
+                "name": f"sealed_{name}",
+                "codec": "sealed",
+                "keys": [key_new.hex()],
+                "hex": data.hex(),
+                "expect": {"message": message_to_json(msg)},
+            }
+        )
     hb_msg = valid_msgs[2][1]
-    cases.append({"name": "sealed_with_the_previous_key_during_a_rotation", "codec": "sealed", "keys": rotating,
-                  "hex": sealed_old.seal(encode(hb_msg)).hex(), "expect": {"message": message_to_json(hb_msg)}})
+    cases.append(
+        {
+            "name": "sealed_with_the_previous_key_during_a_rotation",
+            "codec": "sealed",
+            "keys": rotating,
+            "hex": sealed_old.seal(encode(hb_msg)).hex(),
+            "expect": {"message": message_to_json(hb_msg)},
+        }
+    )
     good = sealed_new.seal(encode(hb_msg))
     tampered = bytearray(good)
     tampered[-1] ^= 1
@@ -1111,8 +1314,15 @@ def codec_cases() -> dict[str, Any]:
             assert isinstance(exc, DecodeError) and exc.category == "auth", (name, exc)
         else:
             raise AssertionError(f"{name} opened")
-        cases.append({"name": name, "codec": "sealed", "keys": [key_new.hex()], "hex": raw.hex(),
-                      "expect": {"error": {"class": "DecodeError", "category": ["auth"]}}})
+        cases.append(
+            {
+                "name": name,
+                "codec": "sealed",
+                "keys": [key_new.hex()],
+                "hex": raw.hex(),
+                "expect": {"error": {"class": "DecodeError", "category": ["auth"]}},
+            }
+        )
     for name, codec, raw, cats in bad:
         fn = decode if codec == "native" else decode_vllm
         try:
@@ -1124,10 +1334,18 @@ def codec_cases() -> dict[str, Any]:
             assert exc.category in cats, (name, str(exc), exc.category, cats)
         else:
             raise AssertionError(f"{name} decoded")
-        cases.append({"name": name, "codec": codec, "hex": raw.hex(),
-                      "expect": {"error": {"class": "DecodeError", "category": cats}}})
+        cases.append(
+            {
+                "name": name,
+                "codec": codec,
+                "hex": raw.hex(),
+                "expect": {"error": {"class": "DecodeError", "category": cats}},
+            }
+        )
     return {
-        "format": VECTOR_FORMAT, "kind": "codec", "name": "codec",
+        "format": VECTOR_FORMAT,
+        "kind": "codec",
+        "name": "codec",
         "description": "Exact bytes of every message type (decode must yield exactly these "
         "fields) and malformed byte strings that must be rejected with DecodeError of the given "
         "category (any one of those listed).",
@@ -1136,14 +1354,31 @@ def codec_cases() -> dict[str, Any]:
 
 
 SCENARIOS = [
-    happy_pull, overload_long_queue, accessor_crash_expiry, late_read, late_read_confirmed,
-    push_mode, fixed_ttl_bidirectional, pinner_restart, hetero_tp_pinner_wider,
-    hetero_tp_accessor_wider, release, heartbeat_batching, vllm_compat, rejections_and_misuse,
-    retrack, wrong_rank, handshake_binding, ack_binding, failed_transfer, expiry_edges, bounds,
+    happy_pull,
+    overload_long_queue,
+    accessor_crash_expiry,
+    late_read,
+    late_read_confirmed,
+    push_mode,
+    fixed_ttl_bidirectional,
+    pinner_restart,
+    hetero_tp_pinner_wider,
+    hetero_tp_accessor_wider,
+    release,
+    heartbeat_batching,
+    vllm_compat,
+    rejections_and_misuse,
+    retrack,
+    wrong_rank,
+    handshake_binding,
+    ack_binding,
+    failed_transfer,
+    expiry_edges,
+    bounds,
 ]
 
 
-def render(vector: dict[str, Any]) -> str:
+def render(vector: JSONDict) -> str:
     return json.dumps(vector, indent=1) + "\n"
 
 
