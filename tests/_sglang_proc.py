@@ -14,12 +14,18 @@ before a NIXL WRITE is posted, ``slow_post``), by wrapping the NIXL agent's ``tr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 import traceback
 from typing import Any
+
+# Die with the test runner, even if it is killed before its teardown (Linux: PR_SET_PDEATHSIG).
+with contextlib.suppress(OSError, AttributeError):
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

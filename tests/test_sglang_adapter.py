@@ -309,11 +309,17 @@ def test_hostile_messages_crash_no_sglang_thread(cluster: Cluster) -> None:
 
 
 def test_decode_memory_wait_keeps_source_then_decode_killed_prefill_frees(cluster: Cluster) -> None:
-    c, room = cluster, 105
+    c, room, orphan = cluster, 105, 107
+    t_orphan = time.time()
+    c.p2.call("sender", room=orphan, pages=2, aux=7)  # a request no decode ever admits
     c.p2.call("sender", room=room, pages=2, aux=6)
     c.d.call("receiver", room=room, prefill_port=c.port2)  # admitted; no metadata: short of memory
+    # The orphan's lease is never renewed: it fails at grant + d, not at SGLang's 300 s.
+    st = c.p2.call("wait", room=orphan, statuses=["Failed"], within=D_LEASE + SLACK + 2)
+    assert st["status"] == "Failed" and "kvlease: source-page lease expired" in (st["failure"] or ""), st
+    assert D_LEASE - 0.05 <= st["t"] - t_orphan <= D_LEASE + SLACK, st["t"] - t_orphan
     # Longer than the initial lease d: only D's renewals keep P2's source lease (and its room).
-    time.sleep(D_LEASE + 1.0)
+    time.sleep(max(0.0, t_orphan + D_LEASE + 1.0 - time.time()))
     assert c.p2.call("source_live", room=room)["live"], "a D short of memory lost P's pages"
     st = c.p2.call("wait", room=room, statuses=["Failed"], within=0)
     assert st["status"] == "Bootstrapping", st
