@@ -179,6 +179,21 @@ def main() -> None:
             block_size=BLOCK,
         )
         scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
+    # vLLM's own metrics path for connector stats: the scheduler process records what the workers
+    # report with the connector's KVConnectorPromMetrics, on vLLM's Prometheus registry.
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    prom = KVConnectorProm(vllm_config, ["engine"], {0: ["0"]})
+
+    def prom_kvlease() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in prometheus_client.generate_latest().decode().splitlines():
+            if line.startswith("vllm:kvlease_"):
+                name, _, value = line.rpartition(" ")
+                out[name.split("{")[0]] = float(value)
+        return out
+
     emit(
         "ready",
         seconds=time.monotonic() - t0,
@@ -243,6 +258,7 @@ def main() -> None:
                     live=None if drv is None or drv.pinner is None else drv.pinner.live_count,
                     tracked=None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
                     reqs_to_send=len(getattr(impl, "_reqs_to_send", {})),
+                    prometheus=prom_kvlease(),
                 )
                 continue
             rid = cmd["id"]
@@ -289,6 +305,8 @@ def main() -> None:
             KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
         ):
             pass
+        if kvo.kv_connector_stats is not None:
+            prom.observe(kvo.kv_connector_stats.data, 0)
         req_ids = list(so.num_scheduled_tokens)
         for rid in kvo.finished_recving or ():
             info = waiting.get(rid)

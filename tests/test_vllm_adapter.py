@@ -98,6 +98,19 @@ def test_pull_reads_the_producers_blocks_and_frees_them(fleet: dict[str, Node]) 
     assert fleet["D1"].stats()["driver"]["accesses_completed"] == 1
 
 
+def test_kvlease_counters_reach_vllms_prometheus_metrics(fleet: dict[str, Node]) -> None:
+    """kvlease's counters travel in vLLM's KVConnectorStats and are exported by the connector's
+    KVConnectorPromMetrics on vLLM's own registry (``vllm:kvlease_*``), no second server."""
+    p = fleet["P1"].stats()
+    prom, drv = p["prometheus"], p["driver"]
+    assert prom["vllm:kvlease_leases_granted_total"] == drv["leases_granted"] >= 2
+    assert prom["vllm:kvlease_leases_completed_total"] == drv["leases_completed"] >= 2
+    assert prom["vllm:kvlease_heartbeats_received_total"] == drv["heartbeats_received"] >= 1
+    d = fleet["D1"].stats()
+    assert d["prometheus"]["vllm:kvlease_accesses_completed_total"] == d["driver"]["accesses_completed"] >= 1
+    assert "vllm:kvlease_leases_granted_total" not in fleet["P2"].stats()["prometheus"]
+
+
 def _queue(p: Node, d: Node, rid: str, blockers: int = 2) -> float:
     """Prefill `rid` on `p` and queue it on `d` behind `blockers` local requests (each decodes up
     to the model length, ~2000 steps); returns when it was added. `_unblock` lets it run."""

@@ -52,6 +52,7 @@ from kvlease import (
     tp_layout,
 )
 
+from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
 from ._settings import AdapterSettings, read_settings
 from ._transport import HELLO_MAGIC, ConnectorTransport
 
@@ -212,6 +213,9 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._kv_verdict: set[str] = set()  # READ reported by vLLM, waiting for the accessor
         self._kv_failed: set[str] = set()  # the accessor gave the access up before vLLM reported it
         self._kv_deferred: list[tuple[str, Any]] = []  # READs waiting for the kvlease handshake
+        # vLLM's per-step connector stats, with kvlease's counters in them (see _metrics).
+        self.xfer_stats = KvleaseConnectorStats()
+        self._kv_counted = dict.fromkeys(KVLEASE_COUNTERS, 0)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -410,7 +414,19 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     self._kv_failed.add(key)
                 else:
                     self._kv_tickets.pop(key, None)
+        self._kv_record_stats(driver)
         return res
+
+    def _kv_record_stats(self, driver: Driver) -> None:
+        stats = driver.stats
+        deltas = {}
+        for name, seen in self._kv_counted.items():
+            now = getattr(stats, name)
+            if now != seen:
+                deltas[name] = now - seen
+                self._kv_counted[name] = now
+        if deltas:
+            self.xfer_stats.record_kvlease(deltas)
 
 
 # -- the connector -------------------------------------------------------------------------------
@@ -421,6 +437,20 @@ class KvleaseNixlConnector(NixlPullConnector):  # type: ignore[misc]
 
     connector_scheduler: KvleasePullScheduler | None
     connector_worker: KvleasePullWorker | None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvleaseConnectorStats:
+        return KvleaseConnectorStats(data=data) if data is not None else KvleaseConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvleasePromMetrics:
+        return KvleasePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # Settings first: a bad value fails here, naming the key, before anything starts.
