@@ -13,7 +13,6 @@ core in each child does.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -21,17 +20,17 @@ import os
 import queue
 import random
 import signal
-import subprocess
 import sys
-import threading
 import time
-from typing import IO, Any
+from typing import Any
 
+import attrs
 import click
 
 from kvlease import ConfigError, LeaseConfig
 
-from ._demo_scenarios import SCENARIOS, Bounds, ScenarioResult, ScenarioRun, evaluate, scenario_spec
+from ._child import ChildProcess
+from ._demo_scenarios import SCENARIOS, Bounds, ChildSpec, Scenario, ScenarioResult, ScenarioRun, evaluate
 
 __all__ = ["demo"]
 
@@ -39,52 +38,6 @@ log = logging.getLogger("kvlease.demo")
 
 TICK = 0.02
 BLOCK_SIZE = 4096
-
-
-class _Child:
-    def __init__(
-        self, role: str, spec: dict[str, Any], events: queue.Queue[tuple[str, dict[str, Any]]], env: dict[str, str]
-    ) -> None:
-        self.role = role
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvlease.cli._demo_proc", role, json.dumps(spec)],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        self.exited = threading.Event()
-        self._thread = threading.Thread(target=self._pump, args=(self.proc.stdout, events), daemon=True)
-        self._thread.start()
-
-    def _pump(self, stream: IO[str] | None, events: queue.Queue[tuple[str, dict[str, Any]]]) -> None:
-        assert stream is not None
-        for line in stream:
-            try:
-                events.put((self.role, json.loads(line)))
-            except json.JSONDecodeError:
-                log.warning("%s printed a non-event line: %r", self.role, line)
-        self.exited.set()
-        events.put((self.role, {"ev": "eof", "t": time.monotonic()}))
-
-    def send(self, cmd: dict[str, Any]) -> None:
-        """One command line on the child's stdin (lost if the child is gone)."""
-        if self.proc.stdin is None:
-            return
-        try:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            pass
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        self._thread.join(timeout=2.0)
 
 
 def _child_env(transport: str) -> dict[str, str]:
@@ -138,19 +91,6 @@ class _Metrics:
         self.server.shutdown()
 
 
-def _expected_duration(name: str, config: LeaseConfig) -> float:
-    spec = scenario_spec(name, config)
-    if name == "happy":
-        return 1.0
-    if name == "overload":
-        return float(spec["queue_time"]) + 0.5
-    if name == "crash":
-        return float(spec["kill_after"]) + config.lease_extension + 0.5
-    if name == "partition":
-        return float(spec["partition_end"]) + 0.5
-    return config.kv_lease_duration + 1.0
-
-
 class _StopSignals:
     """Ctrl-C (SIGINT) and SIGTERM, noted by the handler and acted on by the main loop.
 
@@ -196,116 +136,160 @@ def _run_scenario(
     metrics: _Metrics | None,
     stop: _StopSignals,
 ) -> ScenarioRun:
-    blocks_per = 16
-    epochs = {"pinner": random.uniform(1e4, 2e5), "accessor": random.uniform(1e4, 2e5)}
-    base_spec: dict[str, Any] = {
-        "scenario": name,
-        "transport": transport,
-        "config": {"kv_lease_duration": config.kv_lease_duration, "max_access_time": config.max_access_time},
-        "requests": requests,
-        "block_size": BLOCK_SIZE,
-        "blocks_per_request": blocks_per,
-        "pool_blocks": requests * blocks_per,
-        "tick": TICK,
-        "log_level": log_level,
-        **scenario_spec(name, config),
-    }
-    run = ScenarioRun(name, transport, requests, blocks_per, epochs, started=time.monotonic())
-    events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-    env = _child_env(transport)
-    children: list[_Child] = []
-    deadline = time.monotonic() + 2 * _expected_duration(name, config) + 20.0
+    play = _Play(SCENARIOS[name], transport, config, requests, log_level, metrics)
     try:
-        pinner = _Child("pinner", {**base_spec, "role": "pinner", "epoch": epochs["pinner"]}, events, env)
-        children.append(pinner)
-        accessor: _Child | None = None
-        exited: set[str] = set()
-        grant_time: float | None = None
-        while len(exited) < 2:
+        play.loop(view, stop)
+        play.reap(stop)
+    finally:
+        play.close()
+    return play.run
+
+
+class _Play:
+    """One scenario played by the parent: P and D as child processes, the parent as router
+    (grants once D is connected, tickets forwarded to D, "bye" to P once D is gone) and, when
+    the scenario has one, the fault (SIGKILL of D)."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        transport: str,
+        config: LeaseConfig,
+        requests: int,
+        log_level: str,
+        metrics: _Metrics | None,
+    ) -> None:
+        self.scenario = scenario
+        self.metrics = metrics
+        epochs = {"pinner": random.uniform(1e4, 2e5), "accessor": random.uniform(1e4, 2e5)}
+        self.spec = ChildSpec(
+            role="pinner",
+            scenario=scenario.name,
+            transport=transport,
+            kv_lease_duration=config.kv_lease_duration,
+            max_access_time=config.max_access_time,
+            requests=requests,
+            block_size=BLOCK_SIZE,
+            blocks_per_request=16,
+            tick=TICK,
+            log_level=log_level,
+            epoch=epochs["pinner"],
+            timing=scenario.timing(config),
+        )
+        self.kill_after = scenario.kill_after(self.spec.timing)
+        self.run = ScenarioRun(scenario.name, transport, requests, 16, epochs, started=time.monotonic())
+        self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+        self.env = _child_env(transport)
+        self.deadline = time.monotonic() + 2 * scenario.expected_duration(config) + 20.0
+        self.children: list[ChildProcess] = []
+        self.pinner = self._spawn(self.spec)
+        self.accessor: ChildProcess | None = None
+        self.exited: set[str] = set()
+        self.grant_time: float | None = None
+
+    def _spawn(self, spec: ChildSpec) -> ChildProcess:
+        role = spec.role
+        child = ChildProcess(
+            [sys.executable, "-m", "kvlease.cli._demo_proc", spec.to_json()],
+            name=role,
+            env=self.env,
+            ready=None,
+            on_event=lambda ev: self.events.put((role, ev)),
+            capture_stderr=False,
+        )
+        self.children.append(child)
+        return child
+
+    def loop(self, view: Any, stop: _StopSignals) -> None:
+        run = self.run
+        while len(self.exited) < 2:
             stop.check()
-            if time.monotonic() > deadline:
+            if time.monotonic() > self.deadline:
                 run.timed_out = True
-                break
+                return
             try:
-                role, ev = events.get(timeout=0.05)
+                role, ev = self.events.get(timeout=0.05)
             except queue.Empty:
                 role, ev = "", {}
-            kind = ev.get("ev")
-            if kind == "ready" and role == "pinner":
-                accessor = _Child(
-                    "accessor",
-                    {**base_spec, "role": "accessor", "epoch": epochs["accessor"], "endpoint": ev["endpoint"]},
-                    events,
-                    env,
-                )
-                children.append(accessor)
-            elif kind == "connected" and role == "accessor":
-                pinner.send({"op": "grant"})  # D is connected: requests arrive
-            elif kind == "grant" and role == "pinner" and accessor is not None:
-                # The router carries the ticket to D with the request (kv_transfer_params).
-                accessor.send(
-                    {
-                        "op": "track",
-                        "key": ev["key"],
-                        "ticket": ev["ticket"],
-                        "slot": ev["slot"],
-                        "seed": ev["seed"],
-                        "address": ev["address"],
-                    }
-                )
-            elif kind == "eof":
-                exited.add(role)
-                if role == "pinner" and accessor is None:
-                    run.errors.append("the pinner process exited before it was ready")
-                    break
-                if role == "accessor":
-                    pinner.send({"op": "bye"})  # D is gone: P exits once its leases ended
-            elif kind == "stats" and metrics is not None:
-                metrics.update(role, ev["stats"])
-            elif kind == "rtt" and metrics is not None:
-                metrics.rtt(float(ev["seconds"]))
-            if kind:
-                run.feed(role, ev)
-            if kind == "grant" and grant_time is None:
-                grant_time = ev["t"]
-            if (
-                name == "crash"
-                and accessor is not None
-                and run.kill_time is None
-                and grant_time is not None
-                and len(run.tracked) == requests
-                and time.monotonic() >= grant_time + float(base_spec["kill_after"])
-            ):
-                run.kill_time = time.monotonic()
-                os.kill(accessor.proc.pid, signal.SIGKILL)
-                log.warning("demo: SIGKILLed the accessor (pid %d) mid-flight", accessor.proc.pid)
+            if ev and not self._route(role, ev):
+                return
+            self._fault()
             view.update(run)
-        for child in children:
+
+    def _route(self, role: str, ev: dict[str, Any]) -> bool:
+        """Act on one child event as the router would; False: the scenario cannot go on."""
+        kind, run = ev.get("ev"), self.run
+        if kind == "ready" and role == "pinner":
+            self.accessor = self._spawn(
+                attrs.evolve(self.spec, role="accessor", epoch=run.epochs["accessor"], endpoint=ev["endpoint"])
+            )
+        elif kind == "connected" and role == "accessor":
+            self.pinner.try_send(op="grant")  # D is connected: requests arrive
+        elif kind == "grant" and role == "pinner" and self.accessor is not None:
+            # The router carries the ticket to D with the request (kv_transfer_params).
+            fields = {k: ev[k] for k in ("key", "ticket", "slot", "seed", "address")}
+            self.accessor.try_send(op="track", **fields)
+        elif kind == "eof":
+            self.exited.add(role)
+            if role == "pinner" and self.accessor is None:
+                run.errors.append("the pinner process exited before it was ready")
+                return False
+            if role == "accessor":
+                self.pinner.try_send(op="bye")  # D is gone: P exits once its leases ended
+        elif kind == "stats" and self.metrics is not None:
+            self.metrics.update(role, ev["stats"])
+        elif kind == "rtt" and self.metrics is not None:
+            self.metrics.rtt(float(ev["seconds"]))
+        if kind:
+            run.feed(role, ev)
+        if kind == "grant" and self.grant_time is None:
+            self.grant_time = ev["t"]
+        return True
+
+    def _fault(self) -> None:
+        """The scenario's fault, if it has one: SIGKILL D once it tracks every request."""
+        run, accessor = self.run, self.accessor
+        if (
+            self.kill_after is not None
+            and accessor is not None
+            and run.kill_time is None
+            and self.grant_time is not None
+            and len(run.tracked) == run.requests
+            and time.monotonic() >= self.grant_time + self.kill_after
+        ):
+            run.kill_time = time.monotonic()
+            accessor.kill(signal.SIGKILL)
+            log.warning("demo: SIGKILLed the accessor (pid %d) mid-flight", accessor.pid)
+
+    def reap(self, stop: _StopSignals) -> None:
+        """Wait for both children to exit after their scenario; note what went wrong."""
+        run = self.run
+        for child in self.children:
             if not run.timed_out:
                 waited_until = time.monotonic() + 5.0
-                while child.proc.poll() is None and time.monotonic() < waited_until:
+                while child.returncode is None and time.monotonic() < waited_until:
                     stop.check()
                     time.sleep(0.02)
-                if child.proc.poll() is None:
-                    run.errors.append(f"the {child.role} process did not exit after its scenario")
-            rc = child.proc.returncode
-            if rc not in (0, None) and not (child.role == "accessor" and run.kill_time is not None):
-                run.errors.append(f"the {child.role} process exited with status {rc}")
-    finally:
-        for child in children:
-            child.kill()
-        # Drain what the children said after the loop stopped.
+                if child.returncode is None:
+                    run.errors.append(f"the {child.name} process did not exit after its scenario")
+            rc = child.returncode
+            if rc not in (0, None) and not (child.name == "accessor" and run.kill_time is not None):
+                run.errors.append(f"the {child.name} process exited with status {rc}")
+
+    def close(self) -> None:
+        """Kill and reap the children, then take in what they said after the loop stopped."""
+        for child in self.children:
+            child.close()
         while True:
             try:
-                role, ev = events.get_nowait()
+                role, ev = self.events.get_nowait()
             except queue.Empty:
                 break
             if ev.get("ev") not in ("eof", None):
-                run.feed(role, ev)
-        if metrics is not None:
-            metrics.scenario_done()
-    run.finished = time.monotonic()
-    return run
+                self.run.feed(role, ev)
+        if self.metrics is not None:
+            self.metrics.scenario_done()
+        self.run.finished = time.monotonic()
 
 
 class _View:
@@ -363,7 +347,7 @@ class _View:
 
     def start(self, name: str) -> None:
         if self.enabled:
-            self.progress.update(self.task, description=f"scenario {name}: {SCENARIOS[name]}")
+            self.progress.update(self.task, description=f"scenario {name}: {SCENARIOS[name].description}")
 
     def update(self, run: ScenarioRun) -> None:
         if not self.enabled:

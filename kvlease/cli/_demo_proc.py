@@ -1,7 +1,8 @@
 """The bodies of the demo's two OS processes: the pinner (P) and the accessor (D).
 
-Run as ``python -m kvlease.cli._demo_proc ROLE SPEC_JSON``. Each process is an engine worker in
-miniature: a `kvlease.transports.Driver` over a real transport (`ZmqTransport` by default,
+Run as ``python -m kvlease.cli._demo_proc SPEC_JSON`` (a `ChildSpec`: role, scenario, lease,
+pool). Each process is an engine worker in miniature, on the child-process harness
+(`kvlease.cli._child`: its worker loop, event lines and transport factory): a `kvlease.transports.Driver` over a real transport (`ZmqTransport` by default,
 `NixlTransport` with ``--transport nixl``: registered tensors, real NIXL READs) stepped from a
 loop as an engine's forward loop would, so the demo runs exactly the code an engine would. The
 driver's clock is the process's monotonic clock shifted by a random epoch (so P's and D's
@@ -13,25 +14,22 @@ connected), forwards each lease ticket to D (``{"op": "track", ...}``: what vLLM
 is reported to the parent as one JSON line on stdout, stamped with the *raw* system-wide
 monotonic clock, which the parent uses only to measure, never to decide.
 
-Beyond the driver, this module holds only the scenario script (when D reads, when the partition
-starts) and the engine's memory (a pool of request slots that a freed slot is at once reused
-from). The partition is simulated in D by `PartitionedTransport`, a wrapper that drops control
-frames both ways; it also carries the partition scenario's *baseline* read (the same READ
-without the lease check) past the driver. Protocol logic here would be a bug: the core decides
+Beyond the driver, this module holds only the engine's memory (a pool of request slots that a
+freed slot is at once reused from) and plays the scenario object's script (`Scenario`: when D
+reads, the partition window, fixed-TTL grants). The partition is simulated in D by
+`PartitionedTransport`, a forwarding wrapper that drops control frames both ways; it also
+carries the partition scenario's *baseline* read (the same READ without the lease check) past
+the driver. Protocol logic here would be a bug: the core decides
 what is valid, what to free and when.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import queue
 import random
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -40,7 +38,6 @@ from kvlease import (
     Accessor,
     AccessStale,
     Free,
-    LeaseConfig,
     LeaseKind,
     LeaseLost,
     LeaseTicket,
@@ -50,7 +47,6 @@ from kvlease import (
 
 from ..transports import (  # type: ignore[import-not-found,unused-ignore]
     Driver,
-    HandshakeEvent,
     Inbound,
     PeerDead,
     PeerSuspect,
@@ -59,6 +55,8 @@ from ..transports import (  # type: ignore[import-not-found,unused-ignore]
     Transport,
     new_session,
 )
+from ._child import Commands, emit, make_transport, serve
+from ._demo_scenarios import SCENARIOS, ChildSpec
 
 log = logging.getLogger("kvlease.demo")
 
@@ -79,17 +77,6 @@ def block_pattern(seed: int, block: int, size: int) -> bytes:
 
 def slot_pattern(seed: int, slot: int, blocks_per: int, block_size: int) -> bytes:
     return b"".join(block_pattern(seed, slot * blocks_per + j, block_size) for j in range(blocks_per))
-
-
-class Reporter:
-    def __init__(self) -> None:
-        self._out = sys.stdout
-
-    def __call__(self, ev: str, **fields: Any) -> None:
-        fields["ev"] = ev
-        fields["t"] = time.monotonic()
-        self._out.write(json.dumps(fields) + "\n")
-        self._out.flush()
 
 
 def _die_with_parent() -> None:
@@ -137,17 +124,19 @@ class Pool:
         return bytes(buf.numpy().tobytes()) if self.torch else bytes(buf)
 
 
-def make_transport(kind: str, engine_id: str) -> Transport:
-    if kind == "nixl":
-        from ..transports.nixl import NixlTransport  # type: ignore[import-not-found,unused-ignore]
+class Forwarding:
+    """A transport wrapper that forwards every attribute it does not define to `inner`: a
+    subclass overrides only what it changes, and whatever the `Transport` protocol gains later
+    passes through untouched."""
 
-        return NixlTransport(engine_id, 0)  # type: ignore[no-any-return,unused-ignore]
-    from ..transports.zmq_transport import ZmqTransport  # type: ignore[import-not-found,unused-ignore]
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
 
-    return ZmqTransport(engine_id, 0, bind="tcp://127.0.0.1:0")  # type: ignore[no-any-return,unused-ignore]
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
-class PartitionedTransport:
+class PartitionedTransport(Forwarding):
     """A `Transport` wrapper for the partition scenario: while `partitioned`, control frames
     are dropped in both directions (as a cut link would lose them), silently. It also lets the
     demo start a *baseline* READ that bypasses the driver (no lease check, no notification):
@@ -155,23 +144,11 @@ class PartitionedTransport:
     """
 
     def __init__(self, inner: Transport) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.partitioned = False
         self.dropped = 0
         self._raw: set[int] = set()
         self.raw_done: list[TransferResult] = []
-
-    @property
-    def engine_id(self) -> str:
-        return str(self.inner.engine_id)
-
-    @property
-    def rank(self) -> int:
-        return int(self.inner.rank)
-
-    @property
-    def address(self) -> str:
-        return str(self.inner.address)
 
     def send(self, engine_id: str, rank: int | None, data: bytes) -> None:
         if self.partitioned:
@@ -185,30 +162,6 @@ class PartitionedTransport:
             self.dropped += len(frames)
             return []
         return frames
-
-    def progress(self) -> None:
-        self.inner.progress()
-
-    def request_handshake(self, engine_id: str, address: str, data: bytes) -> None:
-        self.inner.request_handshake(engine_id, address, data)
-
-    def poll_handshakes(self) -> list[HandshakeEvent]:
-        return list(self.inner.poll_handshakes())
-
-    def answer_handshake(self, token: int, data: bytes) -> None:
-        self.inner.answer_handshake(token, data)
-
-    def register(self, region: str, buffer: object) -> int:
-        return int(self.inner.register(region, buffer))
-
-    def unregister(self, region: str) -> None:
-        self.inner.unregister(region)
-
-    def start_read(self, engine_id: str, rank: int, region: str, into: object, notif: bytes | None) -> int:
-        return int(self.inner.start_read(engine_id, rank, region, into, notif))
-
-    def start_write(self, engine_id: str, rank: int, region: str, src: object, notif: bytes | None) -> int:
-        return int(self.inner.start_write(engine_id, rank, region, src, notif))
 
     def start_baseline_read(self, engine_id: str, region: str, into: object) -> int:
         h = int(self.inner.start_read(engine_id, 0, region, into, None))
@@ -225,18 +178,6 @@ class PartitionedTransport:
                 out.append(res)
         return out
 
-    def cancel_transfer(self, handle: int) -> None:
-        self.inner.cancel_transfer(handle)
-
-    def forget_peer(self, engine_id: str) -> None:
-        self.inner.forget_peer(engine_id)
-
-    def wait(self, timeout: float) -> None:
-        self.inner.wait(timeout)
-
-    def close(self) -> None:
-        self.inner.close()
-
 
 # -- the processes ----------------------------------------------------------------------------
 
@@ -244,37 +185,36 @@ class PartitionedTransport:
 class Node:
     """What both processes share: the driver, the parent's commands, the loop."""
 
-    def __init__(self, spec: dict[str, Any], report: Reporter) -> None:
+    def __init__(self, spec: ChildSpec) -> None:
         self.spec = spec
-        self.report = report
-        self.epoch = float(spec["epoch"])
-        self.config = LeaseConfig(**spec["config"])
-        self.tick = float(spec["tick"])
-        self.block_size = int(spec["block_size"])
-        self.blocks_per = int(spec["blocks_per_request"])
+        self.report = emit
+        self.scenario = SCENARIOS[spec.scenario]
+        self.epoch = spec.epoch
+        self.config = spec.config
+        self.tick = spec.tick
+        self.block_size = spec.block_size
+        self.blocks_per = spec.blocks_per_request
         self.slot_bytes = self.block_size * self.blocks_per
         self.done = False
-        self.commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._linger_until: float | None = None
         self._next_stats = 0.0
         self.driver: Driver
 
     def clock(self) -> float:
         return time.monotonic() + self.epoch
 
-    def read_stdin(self) -> None:
-        for line in sys.stdin:
-            with contextlib.suppress(ValueError):
-                self.commands.put(json.loads(line))
-        self.commands.put(None)
-
     def report_stats(self, extra: dict[str, Any] | None = None) -> None:
         snap = self.driver.stats.snapshot()
         for k in [k for k in snap if k.startswith("heartbeat_rtt")]:
             del snap[k]
-        self.report("stats", role=self.spec["role"], stats=snap, **(extra or {}))
+        self.report("stats", role=self.spec.role, stats=snap, **(extra or {}))
 
     def command(self, cmd: dict[str, Any]) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def run_command(self, cmd: dict[str, Any]) -> bool:
+        self.command(cmd)
+        return True
 
     def on_event(self, ev: Any) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -287,52 +227,46 @@ class Node:
         return {}
 
     def run(self) -> None:
-        threading.Thread(target=self.read_stdin, daemon=True).start()
-        linger_until: float | None = None
-        while True:
-            while True:
-                try:
-                    cmd = self.commands.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd is None:
-                    self.done = True  # the parent is gone
-                    linger_until = 0.0
-                    break
-                self.command(cmd)
+        """The harness's worker loop; after the scenario is done (or the parent is gone), keep
+        stepping a moment, so what the last step sent (an access-done riding on the last READ)
+        leaves before the sockets close."""
+        commands = Commands()
+
+        def step() -> bool:
+            if commands.parent_gone:
+                self.done = True
+                self._linger_until = 0.0
             for ev in self.driver.step():
                 self.on_event(ev)
-            now = self.driver.now()
-            wake = self.after_step(now)
+            wake = self.after_step(self.driver.now())
             if time.monotonic() >= self._next_stats:
                 self._next_stats = time.monotonic() + 0.1
                 self.report_stats(self.stats_extra())
             if self.done:
-                # Keep stepping a moment, so what the last step sent (an access-done riding
-                # on the last READ) leaves before the sockets close.
-                if linger_until is None:
-                    linger_until = time.monotonic() + _LINGER
-                if time.monotonic() >= linger_until:
-                    break
+                if self._linger_until is None:
+                    self._linger_until = time.monotonic() + _LINGER
+                if time.monotonic() >= self._linger_until:
+                    return False
             timeout = self.tick
             for d in (wake, self.driver.next_deadline()):
                 if d is not None:
                     timeout = min(timeout, max(d - self.driver.now(), 0.0))
             self.driver.transport.wait(timeout)
+            return True
+
+        serve(commands, self.run_command, step, until_parent_gone=False)
         self.report_stats(self.stats_extra())
 
 
 class PinnerNode(Node):
-    def __init__(self, spec: dict[str, Any], report: Reporter) -> None:
-        super().__init__(spec, report)
-        transport = make_transport(spec["transport"], PINNER)
-        self.driver = Driver(
-            transport, pinner=Pinner(self.config, PINNER, random.getrandbits(63)), clock=self.clock
-        )
-        self.pool = Pool(spec["transport"], int(spec["requests"]), self.slot_bytes)
+    def __init__(self, spec: ChildSpec) -> None:
+        super().__init__(spec)
+        transport = make_transport(spec.transport, PINNER)
+        self.driver = Driver(transport, pinner=Pinner(self.config, PINNER, random.getrandbits(63)), clock=self.clock)
+        self.pool = Pool(spec.transport, spec.requests, self.slot_bytes)
         for slot, buf in enumerate(self.pool.slots):
             transport.register(f"slot-{slot}", buf)
-        self.free_slots = list(range(int(spec["requests"])))
+        self.free_slots = list(range(spec.requests))
         self.owned: dict[str, int] = {}  # key -> slot
         self.granted = False
         self.accessor_left = False
@@ -346,10 +280,10 @@ class PinnerNode(Node):
             self.accessor_left = True
 
     def grant_all(self) -> None:
-        fixed = self.spec["scenario"] == "bidirectional"
+        fixed = self.scenario.fixed_ttl
         pinner = self.driver.pinner
         assert pinner is not None
-        for i in range(int(self.spec["requests"])):
+        for i in range(self.spec.requests):
             key = f"req-{i}"
             slot = self.free_slots.pop()
             seed = random.getrandbits(16)
@@ -366,8 +300,14 @@ class PinnerNode(Node):
             assert info is not None
             log.debug("lease granted key=%s lease_id=%d expiry=%.3f", key, ticket.lease_id, info.expiry)
             self.report(
-                "grant", key=key, lease_id=ticket.lease_id, blocks=self.blocks_per,
-                expiry_real=info.expiry - self.epoch, ticket=ticket.to_dict(), slot=slot, seed=seed,
+                "grant",
+                key=key,
+                lease_id=ticket.lease_id,
+                blocks=self.blocks_per,
+                expiry_real=info.expiry - self.epoch,
+                ticket=ticket.to_dict(),
+                slot=slot,
+                seed=seed,
                 address=self.driver.transport.address,
             )
 
@@ -400,41 +340,25 @@ class PinnerNode(Node):
 
 
 class AccessorNode(Node):
-    def __init__(self, spec: dict[str, Any], report: Reporter) -> None:
-        super().__init__(spec, report)
-        self.wire = PartitionedTransport(make_transport(spec["transport"], ACCESSOR))
+    def __init__(self, spec: ChildSpec) -> None:
+        super().__init__(spec)
+        self.wire = PartitionedTransport(make_transport(spec.transport, ACCESSOR))
         # The engine TTL only tears a silent peer down (a hint); keep it past the partition,
         # so this scenario shows the lease expiring, not the peer being forgotten.
         self.driver = Driver(
             self.wire,
             accessor=Accessor(self.config, ACCESSOR, session=new_session()),
             clock=self.clock,
-            engine_ttl=4 * self.config.kv_lease_duration + float(spec.get("partition_end", 0.0)),
+            engine_ttl=4 * self.config.kv_lease_duration + spec.timing.partition_end,
         )
-        self.pool = Pool(spec["transport"], 0, self.slot_bytes)
+        self.pool = Pool(spec.transport, 0, self.slot_bytes)
         self.requests: dict[str, dict[str, Any]] = {}
         self.resolved = 0
         self.t0: float | None = None
         self.connected = False
         self._rtt_seen = 0
         self._baseline: dict[int, str] = {}  # baseline READ handle -> key
-        self.driver.connect(PINNER, spec["endpoint"])
-
-    # The scenario script: when each request's READ is attempted, relative to its arrival.
-    def read_delay(self, i: int) -> float:
-        sc, cfg = self.spec["scenario"], self.config
-        if sc == "happy":
-            return 0.05 + 0.01 * i
-        if sc == "overload":
-            return float(self.spec["queue_time"]) + 0.01 * i
-        if sc == "crash":
-            return 1e9  # killed before it reads
-        if sc == "partition":
-            return float(self.spec["partition_end"]) + 0.1 + 0.01 * i
-        if sc == "bidirectional":
-            early = i % 2 == 0
-            return cfg.kv_lease_duration * 0.3 + 0.01 * i if early else cfg.kv_lease_duration + 0.3 + 0.01 * i
-        raise ValueError(sc)
+        self.driver.connect(PINNER, spec.endpoint)
 
     def stats_extra(self) -> dict[str, Any]:
         return {"partition_drops": self.wire.dropped}
@@ -450,7 +374,7 @@ class AccessorNode(Node):
         self.requests[key] = {
             "slot": cmd["slot"],
             "seed": cmd["seed"],
-            "read_at": now + self.read_delay(len(self.requests)),
+            "read_at": now + self.scenario.read_delay(len(self.requests), self.config, self.spec.timing),
             "state": "waiting",
         }
         self.report("track", key=key, lease_id=ticket.lease_id)
@@ -471,7 +395,11 @@ class AccessorNode(Node):
                     log.warning("SAFETY: access of %s reported valid but its KV was overwritten", ev.key)
                 req["state"] = "resolved"
                 self.report(
-                    "read", key=ev.key, verdict="valid", content_ok=ok, started=req.get("started"),
+                    "read",
+                    key=ev.key,
+                    verdict="valid",
+                    content_ok=ok,
+                    started=req.get("started"),
                     confirmed=ev.confirmed_by_pinner,
                 )
                 self.resolve(ev.key)
@@ -502,7 +430,7 @@ class AccessorNode(Node):
 
     def resolve(self, key: str) -> None:
         self.resolved += 1
-        if self.resolved >= int(self.spec["requests"]):
+        if self.resolved >= self.spec.requests:
             self.done = True
 
     def after_step(self, now: float) -> float | None:
@@ -524,11 +452,10 @@ class AccessorNode(Node):
         self.wire.raw_done.clear()
         if self.t0 is None:
             return None
-        sc = self.spec["scenario"]
         wake: float | None = None
-        if sc == "partition":
-            start = self.t0 + float(self.spec["partition_start"])
-            end = self.t0 + float(self.spec["partition_end"])
+        window = self.scenario.partition(self.spec.timing)
+        if window is not None:
+            start, end = self.t0 + window[0], self.t0 + window[1]
             if not self.wire.partitioned and start <= now < end:
                 self.wire.partitioned = True
                 log.warning("partition: control frames between D and P are dropped")
@@ -563,7 +490,7 @@ class AccessorNode(Node):
         # Refused: the lease is gone or cannot be proven live, so the engine would recompute.
         self.report("read", key=key, verdict="refused", content_ok=None, reason=decision.reason)
         log.warning("read refused key=%s: %s", key, decision.reason)
-        if self.spec["scenario"] == "partition":
+        if self.scenario.baseline_read_when_refused:
             # Show the baseline: the same READ without the lease check.
             req["state"] = "baseline_read"
             h = self.wire.start_baseline_read(PINNER, f"slot-{req['slot']}", req["buf"])
@@ -574,25 +501,24 @@ class AccessorNode(Node):
 
 
 def main(argv: list[str]) -> int:
-    role, spec = argv[0], json.loads(argv[1])
+    spec = ChildSpec.from_json(argv[0])
     _die_with_parent()
     logging.basicConfig(
-        level=spec.get("log_level", "WARNING"),
+        level=spec.log_level,
         stream=sys.stderr,
-        format=f"%(asctime)s {role[0].upper()} %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {spec.role[0].upper()} %(levelname)s %(name)s: %(message)s",
     )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    report = Reporter()
     node: Node | None = None
     try:
-        if role == "pinner":
-            node = PinnerNode(spec, report)
-            report("ready", endpoint=node.driver.transport.address, pid=os.getpid())
+        if spec.role == "pinner":
+            node = PinnerNode(spec)
+            emit("ready", endpoint=node.driver.transport.address, pid=os.getpid())
         else:
-            node = AccessorNode(spec, report)
-            report("ready", pid=os.getpid())
+            node = AccessorNode(spec)
+            emit("ready", pid=os.getpid())
         node.run()
-        report("exit")
+        emit("exit")
     except KeyboardInterrupt:
         return 130
     finally:

@@ -1,14 +1,22 @@
-"""The demo's scenarios: their parameters, the protocol bounds they are judged against, and the
-evaluation of what the two processes reported.
+"""The demo's scenarios, each one object: its timing, its fault, its judgement and its row.
 
-Everything here is computed from a `LeaseConfig` and the events the processes reported (each
-stamped with the system-wide monotonic clock, so P's and D's reports are comparable even though
-the protocol itself saw clocks with different epochs). No hard-coded figures: a claim's bound is
+A `Scenario` says when D reads each request (`read_delay`), what goes wrong and when (a
+`kill_after` for the parent to SIGKILL D, a `partition` window for D's transport, a fixed-TTL
+lease), how long it should take, which claims it must satisfy beyond the common safety claims
+(`judge`) and the two cells of the summary table (kvlease, the baseline it replaces). The
+processes are told their part in a typed `ChildSpec` (JSON on their command line).
+
+Everything is computed from a `LeaseConfig` and the events the processes reported (each stamped
+with the system-wide monotonic clock, so P's and D's reports are comparable even though the
+protocol itself saw clocks with different epochs). No hard-coded figures: a claim's bound is
 derived from the configuration the run used. This module does no I/O.
+
+To add a scenario: subclass `Scenario`, override what differs, add it to `SCENARIOS`.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from typing import Any
 
@@ -16,16 +24,19 @@ import attrs
 
 from kvlease import LeaseConfig
 
-__all__ = ["SCENARIOS", "Bounds", "Claim", "ScenarioResult", "ScenarioRun", "evaluate", "scenario_spec"]
+__all__ = [
+    "SCENARIOS",
+    "Bounds",
+    "ChildSpec",
+    "Claim",
+    "Scenario",
+    "ScenarioResult",
+    "ScenarioRun",
+    "Tally",
+    "Timing",
+    "evaluate",
+]
 
-#: name -> one-line description, in the order the demo plays them.
-SCENARIOS: dict[str, str] = {
-    "happy": "D reads, P frees on access-done",
-    "overload": "D keeps requests queued past the initial lease while heartbeating",
-    "crash": "D is SIGKILLed mid-flight; P reclaims after the last heartbeat",
-    "partition": "heartbeats stop reaching P; the lease expires; D's late read is caught",
-    "bidirectional": "fixed TTL across clocks with different epochs (turn 2)",
-}
 
 #: vLLM's fixed abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): the baseline for a dead D.
 BASELINE_FIXED_TIMEOUT = 480.0
@@ -91,6 +102,9 @@ class ScenarioResult:
     def ok(self) -> bool:
         return all(c.ok for c in self.claims)
 
+    def claim(self, name: str, ok: bool, detail: str, kind: str = "safety") -> None:
+        self.claims.append(Claim(name, bool(ok), detail, kind))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "scenario": self.name,
@@ -103,18 +117,259 @@ class ScenarioResult:
         }
 
 
-def scenario_spec(name: str, config: LeaseConfig) -> dict[str, Any]:
-    """Scenario timing, relative to when D starts tracking, derived from the lease."""
-    spec: dict[str, Any] = {}
-    if name == "overload":
-        spec["queue_time"] = 2.5 * config.kv_lease_duration  # well past the initial lease
-    elif name == "partition":
+@attrs.frozen
+class Timing:
+    """A scenario's timing, in seconds after D starts tracking, derived from the lease."""
+
+    queue_time: float = 0.0
+    partition_start: float = 0.0
+    partition_end: float = 0.0
+    kill_after: float = 0.0
+
+
+@attrs.frozen
+class ChildSpec:
+    """What one demo process is told: its role, the scenario, the lease and the pool."""
+
+    role: str  # "pinner" or "accessor"
+    scenario: str
+    transport: str  # "zmq" or "nixl"
+    kv_lease_duration: float
+    max_access_time: float
+    requests: int
+    block_size: int
+    blocks_per_request: int
+    tick: float
+    log_level: str
+    #: Added to the process's monotonic clock: P's and D's clocks disagree by hours.
+    epoch: float
+    timing: Timing
+    #: D only: P's side-channel address.
+    endpoint: str = ""
+
+    @property
+    def config(self) -> LeaseConfig:
+        return LeaseConfig(kv_lease_duration=self.kv_lease_duration, max_access_time=self.max_access_time)
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.requests * self.blocks_per_request
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ChildSpec:
+        d = json.loads(text)
+        return cls(**{**d, "timing": Timing(**d["timing"])})
+
+
+@attrs.frozen
+class Tally:
+    """What every judgement starts from: the reads by verdict and the frees by reason."""
+
+    valid: set[str]
+    caught: set[str]
+    reasons: dict[str, int]
+
+
+class Scenario:
+    """One scenario. The base is the happy path: D reads at once, P frees on access-done."""
+
+    name = "happy"
+    description = "D reads, P frees on access-done"
+    #: P grants fixed-TTL leases (the ticket carries the deadline) instead of renewable ones.
+    fixed_ttl = False
+    #: When the core refuses D's READ, D also starts the same READ without the lease check,
+    #: to show what the baseline would have handed the engine.
+    baseline_read_when_refused = False
+
+    def timing(self, config: LeaseConfig) -> Timing:
+        return Timing()
+
+    def expected_duration(self, config: LeaseConfig) -> float:
+        """Roughly how long the scenario runs once D tracks (the parent allows twice this)."""
+        return 1.0
+
+    def read_delay(self, i: int, config: LeaseConfig, timing: Timing) -> float:
+        """When D attempts request `i`'s READ, after the request arrived."""
+        return 0.05 + 0.01 * i
+
+    def partition(self, timing: Timing) -> tuple[float, float] | None:
+        """The window (after D starts tracking) in which D's control frames are dropped."""
+        return None
+
+    def kill_after(self, timing: Timing) -> float | None:
+        """When (after the first grant) the parent SIGKILLs D, once D tracks every request."""
+        return None
+
+    def judge(self, run: ScenarioRun, config: LeaseConfig, bounds: Bounds, tally: Tally, res: ScenarioResult) -> None:
+        """This scenario's claims, figures and table row, beyond the common safety claims."""
+        n, valid, reasons = run.requests, tally.valid, tally.reasons
+        res.claim("every read valid", len(valid) == n, f"{len(valid)}/{n}", "liveness")
+        res.claim("freed on access-done", reasons.get("access_done", 0) == n, f"{dict(reasons)}", "liveness")
+        res.kvlease = f"{len(valid)}/{n} reads valid, {reasons.get('access_done', 0)} freed on access-done"
+        res.baseline = "same (frees on read-done)"
+
+
+class Overload(Scenario):
+    name = "overload"
+    description = "D keeps requests queued past the initial lease while heartbeating"
+
+    def timing(self, config: LeaseConfig) -> Timing:
+        return Timing(queue_time=2.5 * config.kv_lease_duration)  # well past the initial lease
+
+    def expected_duration(self, config: LeaseConfig) -> float:
+        return self.timing(config).queue_time + 0.5
+
+    def read_delay(self, i: int, config: LeaseConfig, timing: Timing) -> float:
+        return timing.queue_time + 0.01 * i
+
+    def judge(self, run: ScenarioRun, config: LeaseConfig, bounds: Bounds, tally: Tally, res: ScenarioResult) -> None:
+        n, valid, f = run.requests, tally.valid, res.figures
+        queue = self.timing(config).queue_time
+        false_frees = tally.reasons.get("expired", 0) + tally.reasons.get("released", 0)
+        f["queue_time_s"] = queue
+        f["false_frees"] = false_frees
+        baseline_lost = n if queue > config.kv_lease_duration else 0
+        f["baseline_prefills_lost"] = baseline_lost
+        res.claim("no false frees while D heartbeats", false_frees == 0, f"{false_frees}", "liveness")
+        res.claim("every read valid after queueing past the lease", len(valid) == n, f"{len(valid)}/{n}", "liveness")
+        res.kvlease = (
+            f"queued {queue:.1f} s (lease {config.kv_lease_duration:g} s): {len(valid)}/{n} reads valid, 0 freed"
+            if false_frees == 0
+            else f"{false_frees} false frees"
+        )
+        res.baseline = f"fixed {config.kv_lease_duration:g} s timeout: {baseline_lost}/{n} prefills lost"
+
+
+class Crash(Scenario):
+    name = "crash"
+    description = "D is SIGKILLed mid-flight; P reclaims after the last heartbeat"
+
+    def timing(self, config: LeaseConfig) -> Timing:
+        return Timing(kill_after=max(0.5, config.heartbeat_interval * 1.5))
+
+    def expected_duration(self, config: LeaseConfig) -> float:
+        return self.timing(config).kill_after + config.lease_extension + 0.5
+
+    def read_delay(self, i: int, config: LeaseConfig, timing: Timing) -> float:
+        return 1e9  # killed before it reads
+
+    def kill_after(self, timing: Timing) -> float | None:
+        return timing.kill_after
+
+    def judge(self, run: ScenarioRun, config: LeaseConfig, bounds: Bounds, tally: Tally, res: ScenarioResult) -> None:
+        n, b, kill = run.requests, run.blocks_per_request, run.kill_time
+        last_hb = max((t for t in run.heartbeats_at_pinner if kill is None or t <= kill + 0.05), default=None)
+        free_ts = [evs[0]["t"] for evs in run.frees.values()]
+        expired = tally.reasons.get("expired", 0)
+        res.claim("every lease of the dead accessor reclaimed by expiry", expired == n, f"{expired}/{n}", "liveness")
+        if kill is None or not free_ts or last_hb is None:
+            why = f"kill={kill} frees={len(free_ts)} last_hb={last_hb}"
+            res.claim("D was killed and P reclaimed", False, why, "liveness")
+            return
+        reclaim_kill = max(free_ts) - kill
+        dead_bs = sum(b * max(t - kill, 0.0) for t in free_ts)
+        base_bs = sum(b * (g["t"] + BASELINE_FIXED_TIMEOUT - kill) for g in run.grants.values())
+        res.figures.update(
+            reclaim_after_last_heartbeat_s=round(max(free_ts) - last_hb, 3),
+            reclaim_after_kill_s=round(reclaim_kill, 3),
+            reclaim_bound_s=round(bounds.reclaim, 3),
+            dead_block_seconds=round(dead_bs, 1),
+            baseline_dead_block_seconds=round(base_bs, 1),
+        )
+        _reclaim_claim(run, bounds, last_hb, res)
+        res.kvlease = f"reclaimed {reclaim_kill:.2f} s after kill: {dead_bs:.0f} dead block-s"
+        res.baseline = f"{BASELINE_FIXED_TIMEOUT:g} s timeout: {base_bs:.0f} dead block-s"
+
+
+class Partition(Scenario):
+    name = "partition"
+    description = "heartbeats stop reaching P; the lease expires; D's late read is caught"
+
+    def timing(self, config: LeaseConfig) -> Timing:
         # Start after the first acknowledged heartbeat; end once P must have expired it.
-        spec["partition_start"] = max(0.3, config.heartbeat_interval * 3.5)
-        spec["partition_end"] = spec["partition_start"] + config.lease_extension + config.heartbeat_interval + 0.3
-    elif name == "crash":
-        spec["kill_after"] = max(0.5, config.heartbeat_interval * 1.5)
-    return spec
+        start = max(0.3, config.heartbeat_interval * 3.5)
+        return Timing(
+            partition_start=start,
+            partition_end=start + config.lease_extension + config.heartbeat_interval + 0.3,
+        )
+
+    def expected_duration(self, config: LeaseConfig) -> float:
+        return self.timing(config).partition_end + 0.5
+
+    def read_delay(self, i: int, config: LeaseConfig, timing: Timing) -> float:
+        return timing.partition_end + 0.1 + 0.01 * i
+
+    def partition(self, timing: Timing) -> tuple[float, float] | None:
+        return timing.partition_start, timing.partition_end
+
+    baseline_read_when_refused = True
+
+    def judge(self, run: ScenarioRun, config: LeaseConfig, bounds: Bounds, tally: Tally, res: ScenarioResult) -> None:
+        n, valid, caught, f = run.requests, tally.valid, tally.caught, res.figures
+        expired = tally.reasons.get("expired", 0)
+        base_corrupt = sum(1 for ok in run.baseline_reads.values() if not ok)
+        f["baseline_corrupt_reads"] = base_corrupt
+        f["late_reads_attempted"] = len(run.reads)
+        res.claim(
+            "every late read caught (not handed over)", len(caught) == n and not valid, f"{len(caught)}/{n} caught"
+        )
+        res.claim("P reclaimed the partitioned leases by expiry", expired == n, f"{expired}/{n}", "liveness")
+        last_hb = max(run.heartbeats_at_pinner, default=None)
+        if last_hb is not None and expired:
+            reclaim = max(evs[0]["t"] for evs in run.frees.values()) - last_hb
+            f["reclaim_after_last_heartbeat_s"] = round(reclaim, 3)
+            _reclaim_claim(run, bounds, last_hb, res)
+        res.kvlease = f"{len(caught)}/{n} late reads caught as stale, 0 corrupt"
+        res.baseline = f"no lease check: {base_corrupt}/{len(run.baseline_reads)} late reads return reused blocks"
+
+
+class Bidirectional(Scenario):
+    name = "bidirectional"
+    description = "fixed TTL across clocks with different epochs (turn 2)"
+    fixed_ttl = True
+
+    def expected_duration(self, config: LeaseConfig) -> float:
+        return config.kv_lease_duration + 1.0
+
+    def read_delay(self, i: int, config: LeaseConfig, timing: Timing) -> float:
+        if i % 2 == 0:  # early: well inside the TTL
+            return config.kv_lease_duration * 0.3 + 0.01 * i
+        return config.kv_lease_duration + 0.3 + 0.01 * i  # late: past it
+
+    def judge(self, run: ScenarioRun, config: LeaseConfig, bounds: Bounds, tally: Tally, res: ScenarioResult) -> None:
+        n, valid, caught, f = run.requests, tally.valid, tally.caught, res.figures
+        early = {f"req-{i}" for i in range(0, n, 2)}
+        late = {f"req-{i}" for i in range(1, n, 2)}
+        slack = [g["expiry_real"] - run.valid_until[k] for k, g in run.grants.items() if k in run.valid_until]
+        res.claim(
+            "converted deadline never later than the pinner's",
+            bool(slack) and min(slack) >= 0,
+            f"min slack {min(slack):.4f} s" if slack else "no deadline converted",
+        )
+        res.claim("reads before the TTL valid", early <= valid, f"{len(early & valid)}/{len(early)}", "liveness")
+        res.claim(
+            "reads after the TTL refused",
+            not (late & valid) and late <= caught | set(run.lost),
+            f"{len(late & caught)}/{len(late)} refused",
+        )
+        epoch_gap = abs(run.epochs["pinner"] - run.epochs["accessor"])
+        f["clock_epoch_gap_s"] = round(epoch_gap, 1)
+        if slack:
+            f["deadline_conversion_slack_ms"] = round(min(slack) * 1e3, 3)
+            res.kvlease = (
+                f"deadline converted within {max(slack) * 1e3:.1f} ms (never late); "
+                f"{len(early & valid)}/{len(early)} early ok, {len(late & caught)}/{len(late)} late refused"
+            )
+        else:
+            res.kvlease = "no deadline converted"
+        res.baseline = f"raw peer deadline: off by {epoch_gap:.0f} s (clock epochs differ)"
+
+
+#: name -> scenario, in the order the demo plays them.
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (Scenario(), Overload(), Crash(), Partition(), Bidirectional())}
 
 
 @attrs.define
@@ -192,7 +447,7 @@ def _median(xs: list[float]) -> float | None:
     return s[len(s) // 2]
 
 
-def _reclaim_claim(run: ScenarioRun, bounds: Bounds, last_hb: float | None, claim: Any) -> None:
+def _reclaim_claim(run: ScenarioRun, bounds: Bounds, last_hb: float | None, res: ScenarioResult) -> None:
     late = []
     for key, g in run.grants.items():
         evs = run.frees.get(key)
@@ -201,7 +456,7 @@ def _reclaim_claim(run: ScenarioRun, bounds: Bounds, last_hb: float | None, clai
         over = evs[0]["t"] - bounds.reclaim_deadline(g["t"], last_hb)
         if over > 0:
             late.append((key, round(over, 3)))
-    claim(
+    res.claim(
         "reclaimed by max(grant + lease, last heartbeat + extension) + tick",
         not late,
         f"late by (key, s): {late}" if late else f"all {len(run.grants)} in time",
@@ -210,45 +465,67 @@ def _reclaim_claim(run: ScenarioRun, bounds: Bounds, last_hb: float | None, clai
 
 
 def evaluate(run: ScenarioRun, config: LeaseConfig, bounds: Bounds) -> ScenarioResult:
-    """Judge one scenario against the protocol's bounds; fill figures and claims."""
+    """Judge one scenario: the claims every scenario must satisfy, its figures, then the
+    scenario's own judgement (`Scenario.judge`)."""
     res = ScenarioResult(run.name, run.transport)
-    f = res.figures
-    n, b = run.requests, run.blocks_per_request
-    claims = res.claims
-
-    def claim(name: str, ok: bool, detail: str, kind: str = "safety") -> None:
-        claims.append(Claim(name, bool(ok), detail, kind))
-
-    claim(
+    n = run.requests
+    res.claim(
         "finished",
         not run.timed_out and not run.errors and len(run.grants) == n,
         "; ".join(run.errors) or ("timed out" if run.timed_out else f"{len(run.grants)}/{n} leases granted"),
         "liveness",
     )
-    valid = {k for k, r in run.reads.items() if r["verdict"] == "valid"}
-    caught = {k for k, r in run.reads.items() if r["verdict"] in ("stale", "refused")}
-    corrupt = sorted(k for k in valid if not run.reads[k].get("content_ok"))
-    f["requests"] = n
-    f["blocks_per_request"] = b
-    f["reads_valid"] = len(valid)
-    f["stale_reads_caught"] = len(caught)
-    f["corrupt_reads_handed_over"] = len(corrupt)
+    tally = _tally(run)
+    _figures(run, tally, res)
+    _safety(run, tally, res)
+    SCENARIOS[run.name].judge(run, config, bounds, tally, res)
+    return res
+
+
+def _tally(run: ScenarioRun) -> Tally:
     reasons: dict[str, int] = defaultdict(int)
     for evs in run.frees.values():
         for ev in evs:
             reasons[ev["reason"]] += 1
-    f["frees"] = dict(reasons)
+    return Tally(
+        valid={k for k, r in run.reads.items() if r["verdict"] == "valid"},
+        caught={k for k, r in run.reads.items() if r["verdict"] in ("stale", "refused")},
+        reasons=dict(reasons),
+    )
+
+
+def _figures(run: ScenarioRun, tally: Tally, res: ScenarioResult) -> None:
+    f, b = res.figures, run.blocks_per_request
+    corrupt = [k for k in tally.valid if not run.reads[k].get("content_ok")]
+    f["requests"] = run.requests
+    f["blocks_per_request"] = b
+    f["reads_valid"] = len(tally.valid)
+    f["stale_reads_caught"] = len(tally.caught)
+    f["corrupt_reads_handed_over"] = len(corrupt)
+    f["frees"] = dict(tally.reasons)
     f["heartbeats_at_pinner"] = len(run.heartbeats_at_pinner)
     med = _median(run.rtts)
     f["heartbeat_rtt_median_ms"] = None if med is None else round(med * 1e3, 3)
+    pinned_bs = 0.0
+    for key, g in run.grants.items():
+        ended = run.frees.get(key)
+        end = ended[0]["t"] if ended else (run.finished or g["t"])
+        pinned_bs += b * (end - g["t"])
+    f["pinned_block_seconds"] = round(pinned_bs, 2)
 
-    # Safety, whatever the scenario.
-    claim(
+
+def _safety(run: ScenarioRun, tally: Tally, res: ScenarioResult) -> None:
+    """The safety claims, whatever the scenario."""
+    valid = tally.valid
+    corrupt = sorted(k for k in valid if not run.reads[k].get("content_ok"))
+    res.claim(
         "exactly one free per lease",
         all(len(v) == 1 for v in run.frees.values()),
         f"{sum(len(v) for v in run.frees.values())} frees for {len(run.frees)} leases",
     )
-    claim("no overwritten KV handed over as valid", not corrupt, f"corrupt valid reads: {corrupt}" if corrupt else "0")
+    res.claim(
+        "no overwritten KV handed over as valid", not corrupt, f"corrupt valid reads: {corrupt}" if corrupt else "0"
+    )
     overlap = []
     believed_after_free = []
     for key, evs in run.frees.items():
@@ -257,105 +534,9 @@ def evaluate(run: ScenarioRun, config: LeaseConfig, bounds: Bounds) -> ScenarioR
             overlap.append(key)
         if evs[0]["reason"] != "access_done" and run.valid_until.get(key, float("-inf")) > free_t:
             believed_after_free.append((key, round(run.valid_until[key] - free_t, 4)))
-    claim("no valid access overlaps a free", not overlap, f"overlapping: {overlap}" if overlap else "0")
-    claim(
+    res.claim("no valid access overlaps a free", not overlap, f"overlapping: {overlap}" if overlap else "0")
+    res.claim(
         "accessor never believes a lease valid after the pinner freed it",
         not believed_after_free,
         f"(key, seconds too late): {believed_after_free}" if believed_after_free else "0",
     )
-
-    pinned_bs = 0.0
-    for key, g in run.grants.items():
-        ended = run.frees.get(key)
-        end = ended[0]["t"] if ended else (run.finished or g["t"])
-        pinned_bs += b * (end - g["t"])
-    f["pinned_block_seconds"] = round(pinned_bs, 2)
-
-    if run.name == "happy":
-        claim("every read valid", len(valid) == n, f"{len(valid)}/{n}", "liveness")
-        claim("freed on access-done", reasons.get("access_done", 0) == n, f"{dict(reasons)}", "liveness")
-        res.kvlease = f"{len(valid)}/{n} reads valid, {reasons.get('access_done', 0)} freed on access-done"
-        res.baseline = "same (frees on read-done)"
-    elif run.name == "overload":
-        queue = float(scenario_spec("overload", config)["queue_time"])
-        false_frees = reasons.get("expired", 0) + reasons.get("released", 0)
-        f["queue_time_s"] = queue
-        f["false_frees"] = false_frees
-        baseline_lost = n if queue > config.kv_lease_duration else 0
-        f["baseline_prefills_lost"] = baseline_lost
-        claim("no false frees while D heartbeats", false_frees == 0, f"{false_frees}", "liveness")
-        claim("every read valid after queueing past the lease", len(valid) == n, f"{len(valid)}/{n}", "liveness")
-        res.kvlease = (
-            f"queued {queue:.1f} s (lease {config.kv_lease_duration:g} s): {len(valid)}/{n} reads valid, 0 freed"
-            if false_frees == 0
-            else f"{false_frees} false frees"
-        )
-        res.baseline = f"fixed {config.kv_lease_duration:g} s timeout: {baseline_lost}/{n} prefills lost"
-    elif run.name == "crash":
-        kill = run.kill_time
-        last_hb = max((t for t in run.heartbeats_at_pinner if kill is None or t <= kill + 0.05), default=None)
-        free_ts = [evs[0]["t"] for evs in run.frees.values()]
-        expired = reasons.get("expired", 0)
-        claim("every lease of the dead accessor reclaimed by expiry", expired == n, f"{expired}/{n}", "liveness")
-        if kill is not None and free_ts and last_hb is not None:
-            reclaim_hb = max(free_ts) - last_hb
-            reclaim_kill = max(free_ts) - kill
-            dead_bs = sum(b * max(t - kill, 0.0) for t in free_ts)
-            base_bs = sum(b * (g["t"] + BASELINE_FIXED_TIMEOUT - kill) for g in run.grants.values())
-            f.update(
-                reclaim_after_last_heartbeat_s=round(reclaim_hb, 3),
-                reclaim_after_kill_s=round(reclaim_kill, 3),
-                reclaim_bound_s=round(bounds.reclaim, 3),
-                dead_block_seconds=round(dead_bs, 1),
-                baseline_dead_block_seconds=round(base_bs, 1),
-            )
-            _reclaim_claim(run, bounds, last_hb, claim)
-            res.kvlease = f"reclaimed {reclaim_kill:.2f} s after kill: {dead_bs:.0f} dead block-s"
-            res.baseline = f"{BASELINE_FIXED_TIMEOUT:g} s timeout: {base_bs:.0f} dead block-s"
-        else:
-            claim(
-                "D was killed and P reclaimed", False, f"kill={kill} frees={len(free_ts)} last_hb={last_hb}", "liveness"
-            )
-    elif run.name == "partition":
-        expired = reasons.get("expired", 0)
-        base_corrupt = sum(1 for ok in run.baseline_reads.values() if not ok)
-        f["baseline_corrupt_reads"] = base_corrupt
-        f["late_reads_attempted"] = len(run.reads)
-        claim("every late read caught (not handed over)", len(caught) == n and not valid, f"{len(caught)}/{n} caught")
-        claim("P reclaimed the partitioned leases by expiry", expired == n, f"{expired}/{n}", "liveness")
-        last_hb = max(run.heartbeats_at_pinner, default=None)
-        if last_hb is not None and expired:
-            reclaim = max(evs[0]["t"] for evs in run.frees.values()) - last_hb
-            f["reclaim_after_last_heartbeat_s"] = round(reclaim, 3)
-            _reclaim_claim(run, bounds, last_hb, claim)
-        res.kvlease = f"{len(caught)}/{n} late reads caught as stale, 0 corrupt"
-        res.baseline = f"no lease check: {base_corrupt}/{len(run.baseline_reads)} late reads return reused blocks"
-    elif run.name == "bidirectional":
-        early = {f"req-{i}" for i in range(0, n, 2)}
-        late = {f"req-{i}" for i in range(1, n, 2)}
-        slack = [g["expiry_real"] - run.valid_until[k] for k, g in run.grants.items() if k in run.valid_until]
-        claim(
-            "converted deadline never later than the pinner's",
-            bool(slack) and min(slack) >= 0,
-            f"min slack {min(slack):.4f} s" if slack else "no deadline converted",
-        )
-        claim("reads before the TTL valid", early <= valid, f"{len(early & valid)}/{len(early)}", "liveness")
-        claim(
-            "reads after the TTL refused",
-            not (late & valid) and late <= caught | set(run.lost),
-            f"{len(late & caught)}/{len(late)} refused",
-        )
-        epoch_gap = abs(run.epochs["pinner"] - run.epochs["accessor"])
-        f["clock_epoch_gap_s"] = round(epoch_gap, 1)
-        if slack:
-            f["deadline_conversion_slack_ms"] = round(min(slack) * 1e3, 3)
-        res.kvlease = (
-            (
-                f"deadline converted within {max(slack) * 1e3:.1f} ms (never late); "
-                f"{len(early & valid)}/{len(early)} early ok, {len(late & caught)}/{len(late)} late refused"
-            )
-            if slack
-            else "no deadline converted"
-        )
-        res.baseline = f"raw peer deadline: off by {epoch_gap:.0f} s (clock epochs differ)"
-    return res
