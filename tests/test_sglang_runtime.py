@@ -221,3 +221,42 @@ def test_aborted_room_waits_for_expiry_plus_guard(pd: tuple[Side, Side]) -> None
     p.rt.end_write(room, True)  # the late WRITE landed: its access-done ends the lease
     wait_for(lambda: d.rt.dest_freed(room))
     assert time.monotonic() - t_release < E + G
+
+
+def test_a_room_two_prefill_ranks_write_frees_after_both() -> None:
+    # Prefill TP 2 -> decode TP 1: the decode rank grants one push lease per prefill rank and
+    # reuses the pages only when both have ended.
+    p0, p1, d = Side("prefill", FAST), Side("prefill", FAST), Side("decode", FAST)
+    try:
+        room = 11
+        d.rt.grant_dest(room, "127.0.0.1", p0.port)
+        d.rt.grant_dest(room, "127.0.0.1", p1.port)
+        wait_for(lambda: not p0.rt.awaiting_first_ack(room) and not p1.rt.awaiting_first_ack(room))
+        assert p0.rt.begin_write(room) is None and p1.rt.begin_write(room) is None
+        p0.rt.end_write(room, True)
+        time.sleep(0.1)
+        assert not d.rt.dest_freed(room)  # p1's WRITE may still land
+        p1.rt.end_write(room, True)
+        wait_for(lambda: d.rt.dest_freed(room))
+        assert "fail" not in d.kinds(room)
+    finally:
+        for s in (p0, p1, d):
+            s.close()
+
+
+def test_one_prefill_rank_writing_to_two_decode_ranks_needs_both_windows() -> None:
+    # Prefill TP 1 -> decode TP 2: the prefill rank holds a lease from each decode rank and
+    # starts the final chunk only if both windows cover it.
+    p, d0, d1 = Side("prefill", FAST), Side("decode", FAST), Side("decode", FAST)
+    try:
+        room = 12
+        d0.rt.grant_dest(room, "127.0.0.1", p.port)
+        d1.rt.grant_dest(room, "127.0.0.1", p.port)
+        wait_for(lambda: len(p.rt.dest_keys(room)) == 2 and not p.rt.awaiting_first_ack(room))
+        d1.rt.close()  # one decode rank goes silent
+        wait_for(lambda: p.rt.covered(room) is not None, timeout=E + 1)
+        assert p.rt.begin_write(room) is not None  # nothing starts, not even towards d0
+        assert not p.rt.writing(room)
+    finally:
+        for s in (p, d0, d1):
+            s.close()
