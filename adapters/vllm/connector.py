@@ -212,6 +212,9 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._kv_reading: set[str] = set()  # READ posted, vLLM has not reported it yet
         self._kv_verdict: set[str] = set()  # READ reported by vLLM, waiting for the accessor
         self._kv_failed: set[str] = set()  # the accessor gave the access up before vLLM reported it
+        # Tracked requests whose lease was lost before their READ: the READ is refused (a failed
+        # load), never made without a lease.
+        self._kv_lost: set[str] = set()
         self._kv_deferred: list[tuple[str, Any]] = []  # READs waiting for the kvlease handshake
         # vLLM's per-step connector stats, with kvlease's counters in them (see _metrics).
         self.xfer_stats = KvleaseConnectorStats()
@@ -286,11 +289,17 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._kv_engines[ticket.engine_id] = info
         self._kv_tickets[req_id] = ticket
         host, port = info.get("host"), info.get("port")
-        driver.track(req_id, ticket, address=f"{host}:{port}")
+        try:
+            driver.track(req_id, ticket, address=f"{host}:{port}")
+        except ProtocolError as exc:
+            log.warning("kvlease: cannot track %s (%s): its load will fail", req_id, exc)
+            self._kv_tickets.pop(req_id, None)
+            self._kv_lost.add(req_id)
 
     def _kv_untrack(self, driver: Driver, req_id: str) -> None:
         if req_id in self._kv_reading or req_id in self._kv_verdict:
             return
+        self._kv_lost.discard(req_id)
         self._kv_tickets.pop(req_id, None)
         remote = self._kv_remote_id.pop(req_id, None)
         if remote is not None:
@@ -304,6 +313,13 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         driver = self.kvlease_driver
         ticket = self._kv_tickets.get(req_id)
+        if req_id in self._kv_lost:
+            self._kv_lost.discard(req_id)
+            if any(len(group) > 0 for group in meta.local_block_ids):
+                self._kv_refuse(req_id, "its lease was lost")
+            else:
+                super()._read_blocks_for_req(req_id, meta)  # nothing to read: vLLM's notify-only path
+            return None
         if driver is None or ticket is None:
             super()._read_blocks_for_req(req_id, meta)
             return None
@@ -328,10 +344,7 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             if "handshake pending" in decision.reason:
                 self._kv_deferred.append((req_id, meta))
                 return None
-            log.warning("kvlease: not reading %s (%s): reported as a failed load", req_id, decision.reason)
-            self._kv_forget(req_id)
-            self.xfer_stats.record_kv_expired_req()
-            self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
+            self._kv_refuse(req_id, decision.reason)
             return None
         notif = self.kvlease_transport.notification(req_id)
         remote_id = meta.remote.request_id
@@ -341,6 +354,13 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._kv_reading.add(req_id)
         super()._read_blocks_for_req(req_id, meta)
         return None
+
+    def _kv_refuse(self, req_id: str, reason: str) -> None:
+        """Do not READ `req_id`: report it to vLLM's scheduler as a failed load."""
+        log.warning("kvlease: not reading %s (%s): reported as a failed load", req_id, reason)
+        self._kv_forget(req_id)
+        self.xfer_stats.record_kv_expired_req()
+        self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
 
     def _kv_forget(self, req_id: str) -> None:
         self._kv_tickets.pop(req_id, None)
@@ -412,8 +432,8 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     log.warning("kvlease: KV read for %s is not valid (%s): reported as a failed load", key, ev)
                 elif key in self._kv_reading:
                     self._kv_failed.add(key)
-                else:
-                    self._kv_tickets.pop(key, None)
+                elif self._kv_tickets.pop(key, None) is not None:
+                    self._kv_lost.add(key)
         self._kv_record_stats(driver)
         return res
 
