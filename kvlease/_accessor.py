@@ -549,7 +549,7 @@ class Accessor:
             return (*out, Rejected(reply.engine_id, why))
         eng.connected = True
         if reply.rank == 0:
-            eng.clock.add_sample(ClockSample(LocalTime(reply.t_echo), reply.t_recv, reply.t_send, now))
+            eng.clock.add_sample(ClockSample(reply.t_echo, reply.t_recv, reply.t_send, now))
         eng.next_heartbeat = now  # heartbeat at the next handle_timeout: leases may have waited for this
         for t in eng.leases.values():
             if t.kind is LeaseKind.FIXED_TTL:
@@ -619,7 +619,7 @@ class Accessor:
                     out.extend(self._lose(lost, reason))
         rec.pending_ranks.discard(ack.rank)
         if ack.rank == 0 and ack.t_echo <= now:
-            eng.clock.add_sample(ClockSample(LocalTime(ack.t_echo), ack.t_recv, ack.t_recv, now))
+            eng.clock.add_sample(ClockSample(ack.t_echo, ack.t_recv, ack.t_recv, now))
         if not rec.pending_ranks:
             del eng.outstanding[ack.seq]
             valid = rec.t_send + self.config.accessor_extension

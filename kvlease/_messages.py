@@ -97,7 +97,9 @@ class HandshakeReply:
     to_rank: int  # the handshake's sender rank
     to_session: int  # the handshake's session
     seq: int  # the handshake's seq
-    t_echo: PeerTime  # the handshake's t_send (the accessor's clock)
+    # Times are typed from the accessor's side, the only side that relates the two clocks:
+    # the handshake's t_send, echoed back, is the accessor's own clock.
+    t_echo: LocalTime
     t_recv: PeerTime  # the pinner's clock when it received the handshake
     t_send: PeerTime  # the pinner's clock when it sent this reply
 
@@ -128,7 +130,7 @@ class HeartbeatAck:
     to_rank: int  # the heartbeat's sender rank
     to_session: int  # the heartbeat's session
     seq: int  # the heartbeat's seq
-    t_echo: PeerTime  # the heartbeat's t_send (the accessor's clock)
+    t_echo: LocalTime  # the heartbeat's t_send, echoed back: the accessor's own clock
     t_recv: PeerTime  # the pinner's clock when it handled the heartbeat
     renewed: int  # how many of the heartbeat's ids were live and renewed (or fixed and held)
     unknown: tuple[int, ...] = ()  # never granted here, forgotten, or held for another accessor

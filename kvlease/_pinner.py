@@ -447,7 +447,7 @@ class Pinner:
             to_rank=message.rank,
             to_session=message.session,
             seq=message.seq,
-            t_echo=PeerTime(message.t_send),
+            t_echo=message.t_send,
             t_recv=PeerTime(now),
             t_send=PeerTime(now),
         )
@@ -541,7 +541,7 @@ class Pinner:
             to_rank=msg.rank,
             to_session=msg.session,
             seq=msg.seq,
-            t_echo=PeerTime(msg.t_send),
+            t_echo=msg.t_send,
             t_recv=PeerTime(now),
             renewed=renewed,
             unknown=tuple(unknown),
