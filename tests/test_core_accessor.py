@@ -157,7 +157,7 @@ def _ack(hb: Heartbeat, t: float, renewed: int, **lists: tuple[int, ...]) -> Hea
         hb.rank,
         hb.session,
         hb.seq,
-        PeerTime(hb.t_send),
+        LocalTime(hb.t_send),
         PeerTime(_p(t)),  # the pinner's clock, as the accessor sees it
         renewed,
         unknown=lists.get("unknown", ()),
@@ -224,7 +224,7 @@ class ReplyChanges(TypedDict, total=False):
     to_rank: int
     to_session: int
     seq: int
-    t_echo: PeerTime
+    t_echo: LocalTime
     t_recv: PeerTime
     t_send: PeerTime
 
@@ -242,7 +242,7 @@ def _reply_to(hs: Handshake, *, ranks: int = 1) -> HandshakeReply:
         to_rank=hs.rank,
         to_session=hs.session,
         seq=hs.seq,
-        t_echo=PeerTime(hs.t_send),
+        t_echo=LocalTime(hs.t_send),
         t_recv=PeerTime(P_EPOCH),
         t_send=PeerTime(P_EPOCH),
     )
@@ -272,7 +272,7 @@ def test_bad_handshake_replies_are_rejected(reply_kw: ReplyChanges, why: str) ->
 
 @pytest.mark.parametrize(
     "reply_kw",
-    [ReplyChanges(seq=99), ReplyChanges(t_echo=PeerTime(A_EPOCH - 1)), ReplyChanges(engine_id="stranger")],
+    [ReplyChanges(seq=99), ReplyChanges(t_echo=LocalTime(A_EPOCH - 1)), ReplyChanges(engine_id="stranger")],
     ids=["unknown-seq", "forged-echo", "other-engine"],
 )
 def test_handshake_replies_that_answer_no_handshake_of_ours_change_nothing(reply_kw: ReplyChanges) -> None:
@@ -419,7 +419,7 @@ def test_acks_that_cannot_be_trusted_are_ignored_or_rejected() -> None:
     hb = send.message
     assert isinstance(hb, Heartbeat)
     good = _ack(hb, 0, 1)
-    forged = attrs.evolve(good, t_echo=PeerTime(hb.t_send - 1))
+    forged = attrs.evolve(good, t_echo=LocalTime(hb.t_send - 1))
     unknown_seq = attrs.evolve(good, seq=hb.seq + 5)
     assert w.acc.receive(_a(0), forged) == () and w.acc.receive(_a(0), unknown_seq) == ()
     assert w.acc.valid_until("k") is None
