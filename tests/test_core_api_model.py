@@ -50,7 +50,6 @@ from kvlease import (
     LocalProtocolError,
     LocalTime,
     LostReason,
-    PeerTime,
     Pinner,
     TrackedState,
 )
@@ -359,7 +358,7 @@ class _UnboundAccessor(Accessor):
         eng = self._engines.get(reply.engine_id)
         if eng is not None and eng.handshakes:
             seq, t = next(reversed(eng.handshakes.items()))
-            reply = attrs.evolve(reply, to_rank=self.rank, to_session=self.session, seq=seq, t_echo=PeerTime(t))
+            reply = attrs.evolve(reply, to_rank=self.rank, to_session=self.session, seq=seq, t_echo=LocalTime(t))
         return super().handshake_reply(now, reply)
 
     def disconnect(self, now: LocalTime, engine_id: str) -> tuple[AccessorOutput, ...]:
