@@ -279,7 +279,7 @@ def test_heartbeat_in_every_state(state: str, dup: int) -> None:
             0,
             INC,
             7,
-            PeerTime(123.5),
+            LocalTime(123.5),
             PeerTime(now),  # the pinner's clock, as the peer sees it
         )
         assert _ack_fields(ack, lid) == HB_EXPECT[state], i
@@ -383,10 +383,10 @@ def test_timeout_in_every_state_frees_once(state: str) -> None:
 def test_messages_for_the_other_side_are_rejected(msg_type: type) -> None:
     p, lid, now = _active()
     messages: dict[type, Message] = {
-        HeartbeatAck: HeartbeatAck(ACC, 0, INC, 0, SES, 1, PeerTime(0), PeerTime(0), 0),
+        HeartbeatAck: HeartbeatAck(ACC, 0, INC, 0, SES, 1, LocalTime(0), PeerTime(0), 0),
         AccessDoneAck: AccessDoneAck(ACC, 0, INC, 0, SES, lid, 1, AccessOutcome.OK),
         HandshakeReply: HandshakeReply(
-            ACC, 0, 1, INC, PROTOCOL_VERSION, 0, 1024, 0, SES, 1, PeerTime(0), PeerTime(0), PeerTime(0)
+            ACC, 0, 1, INC, PROTOCOL_VERSION, 0, 1024, 0, SES, 1, LocalTime(0), PeerTime(0), PeerTime(0)
         ),
     }
     msg = messages[msg_type]
