@@ -290,25 +290,7 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         dup=rng.choice((0.0, 0.1, 0.3)),
         side_channel_delay=rng.uniform(0.0, 0.01),
     )
-    names = [e.name for e in prefill] + [e.name for e in decode]
-    faults: list[Fault] = []
-    for _ in range(rng.randint(0, 6)):
-        kind = rng.choice(
-            (FaultKind.CRASH, FaultKind.PARTITION, FaultKind.STALL, FaultKind.EDGE_STALL, FaultKind.EDGE_STALL)
-        )
-        at = rng.uniform(0.0, horizon * 0.8)
-        if kind is FaultKind.EDGE_STALL:
-            faults.append(Fault(kind, at, rng.uniform(-1.0, 2.0), rng.choice(decode).name))
-        elif kind is FaultKind.STALL:
-            eng = rng.choice(decode).name
-            # Around the extension: the window where validity, expiry and access meet.
-            faults.append(Fault(kind, at, rng.uniform(0.5, 1.3) * ext, eng))
-        elif kind is FaultKind.CRASH:
-            faults.append(Fault(kind, at, rng.uniform(0.1, 2.0) * duration_lease, rng.choice(names)))
-        else:
-            p, d = rng.choice(prefill).name, rng.choice(decode).name
-            faults.append(Fault(kind, at, rng.uniform(0.2, 2.5) * ext, d, p))
-    faults.sort(key=lambda f: (f.at, f.engine))
+    faults = _faults(rng, prefill, decode, horizon, ext, duration_lease)
     step = duration_lease / 25.0
     workload = WorkloadSpec(
         duration=horizon,
@@ -346,12 +328,43 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         decode=decode,
         workload=workload,
         network=network,
-        faults=tuple(faults),
+        faults=faults,
         config=cfg,
         drift=drift,
         max_requests=20,
         api=api,
     )
+
+
+def _faults(
+    rng: random.Random,
+    prefill: tuple[EngineSpec, ...],
+    decode: tuple[EngineSpec, ...],
+    horizon: float,
+    ext: float,
+    duration_lease: float,
+) -> tuple[Fault, ...]:
+    """Up to six faults: crashes, partitions, stalls around the extension and at a lease's edge."""
+    names = [e.name for e in prefill] + [e.name for e in decode]
+    faults: list[Fault] = []
+    for _ in range(rng.randint(0, 6)):
+        kind = rng.choice(
+            (FaultKind.CRASH, FaultKind.PARTITION, FaultKind.STALL, FaultKind.EDGE_STALL, FaultKind.EDGE_STALL)
+        )
+        at = rng.uniform(0.0, horizon * 0.8)
+        if kind is FaultKind.EDGE_STALL:
+            faults.append(Fault(kind, at, rng.uniform(-1.0, 2.0), rng.choice(decode).name))
+        elif kind is FaultKind.STALL:
+            eng = rng.choice(decode).name
+            # Around the extension: the window where validity, expiry and access meet.
+            faults.append(Fault(kind, at, rng.uniform(0.5, 1.3) * ext, eng))
+        elif kind is FaultKind.CRASH:
+            faults.append(Fault(kind, at, rng.uniform(0.1, 2.0) * duration_lease, rng.choice(names)))
+        else:
+            p, d = rng.choice(prefill).name, rng.choice(decode).name
+            faults.append(Fault(kind, at, rng.uniform(0.2, 2.5) * ext, d, p))
+    faults.sort(key=lambda f: (f.at, f.engine))
+    return tuple(faults)
 
 
 def _api_spec(rng: random.Random, duration_lease: float) -> ApiSpec:
