@@ -8,6 +8,15 @@ safety and liveness claims on thousands of small adversarial seeds — network f
 delay, partitions, crashes, drift) and, in about half the seeds, API-level adversity (`ApiSpec`:
 what an engine can do through the API at the worst moment).
 
+Layout: `Cluster` (`_cluster`: the event loop) is built in layers, one module per concern, each
+a subclass of the one below: `_kernel` (state, event heaps, clocks, the core objects and their
+recording wrapper `_recording`), `_network` (sends, partitions, the handshake side channel),
+`_checks` (the safety and liveness claims), `_lifecycle` (workload, router, faults, crashes),
+`_prefill` (the pinner side), `_decode` (the accessor side), `_adversity` (API-level misuse).
+Beside them: `_results` (`RunResult`, `Violation`), `_world` (clocks, requests, engines, the
+simulator's lease records), `_baselines` (the fixed-timeout pinner), `_scenario` (specs and
+seeded scenarios), `_doubles` (deliberately broken cores), `_campaign` and `_vector`.
+
 Pure like the rest of the core: virtual time only, no clock, no I/O, no threads; matplotlib and
 rich are used only by the CLI (`kvlease/cli/_sim.py`).
 """
