@@ -4,6 +4,12 @@ This subpackage is *not* part of the pure core: it reads clocks, spawns processe
 terminals. The core (everything else under `kvlease/`) never imports it. Each subcommand lives in
 its own module and is imported only when that subcommand runs, so `kvlease --help` stays fast
 and a missing extra only affects the command that needs it.
+
+Besides the subcommands: `_child`, the one child-process harness (an engine worker in its own
+process, driven over JSON lines, with a transport factory) that the demo's processes, the
+real-process tests and the NIXL benchmark share; the demo is `_demo` (the parent: router,
+faults, live view), `_demo_proc` (the two processes' bodies) and `_demo_scenarios` (each
+scenario one object: timing, fault, script, judgement, table row).
 """
 
 from __future__ import annotations
