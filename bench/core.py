@@ -200,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             r = results[n]
             ratio = r[kv] / r[sc] if r[sc] else float("inf")
             print(f"| {label:48} | {n:>9,} | {fmt.format(r[kv]):>14} | {fmt.format(r[sc]):>14} | {ratio:>15.3f}x |")
-    print(f"largest heartbeat message: {max(r['hb_max_msg_kv'] for r in results.values()):.0f} B "
-          f"(max_message_bytes = {cfg.max_message_bytes})")
+    print(
+        f"largest heartbeat message: {max(r['hb_max_msg_kv'] for r in results.values()):.0f} B "
+        f"(max_message_bytes = {cfg.max_message_bytes})"
+    )
     return 0
 
 

@@ -29,16 +29,27 @@ from kvlease.sim import Cluster, Policy, campaign_scenario, default_scenario, ru
 
 
 def _policy_run(policy: Policy, duration: float, repeat: int) -> dict[str, float]:
-    scenario = default_scenario(1, duration=duration, crash_at=duration * 0.27, burst=(duration * 0.22, 60.0, 25.0),
-                                stall=(duration * 0.25, 25.0))
+    scenario = default_scenario(
+        1,
+        duration=duration,
+        crash_at=duration * 0.27,
+        burst=(duration * 0.22, 60.0, 25.0),
+        stall=(duration * 0.25, 25.0),
+    )
     walls = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         result = Cluster(scenario, policy).run()
         walls.append(time.perf_counter() - t0)
     wall = min(walls)
-    return {"events": result.events, "wall_s": wall, "wall_s_median": statistics.median(walls),
-            "events_per_s": result.events / wall, "sim_s_per_wall_s": duration / wall, "messages": result.messages}
+    return {
+        "events": result.events,
+        "wall_s": wall,
+        "wall_s_median": statistics.median(walls),
+        "events_per_s": result.events / wall,
+        "sim_s_per_wall_s": duration / wall,
+        "messages": result.messages,
+    }
 
 
 def _campaign_run(seeds: int, repeat: int) -> dict[str, float]:
@@ -51,9 +62,15 @@ def _campaign_run(seeds: int, repeat: int) -> dict[str, float]:
         walls.append(time.perf_counter() - t0)
     wall = min(walls)
     sim_s = sum(campaign_scenario(s).workload.duration for s in range(seeds))
-    return {"events": events, "wall_s": wall, "wall_s_median": statistics.median(walls),
-            "events_per_s": events / wall, "sim_s_per_wall_s": sim_s / wall,
-            "seeds_per_s": seeds / wall, "projected_2000_seeds_s": 2000 * wall / seeds}
+    return {
+        "events": events,
+        "wall_s": wall,
+        "wall_s_median": statistics.median(walls),
+        "events_per_s": events / wall,
+        "sim_s_per_wall_s": sim_s / wall,
+        "seeds_per_s": seeds / wall,
+        "projected_2000_seeds_s": 2000 * wall / seeds,
+    }
 
 
 def main() -> None:
@@ -72,14 +89,18 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"kvlease simulator benchmark (python {sys.version.split()[0]}, fastest of {repeat} runs); "
-          "target >= 100,000 events/s")
+    print(
+        f"kvlease simulator benchmark (python {sys.version.split()[0]}, fastest of {repeat} runs); "
+        "target >= 100,000 events/s"
+    )
     header = f"| {'workload':44} | {'events':>10} | {'wall s':>7} | {'events/s':>9} | {'sim s / wall s':>14} |"
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
     for name, r in rows.items():
-        print(f"| {name:44} | {r['events']:>10,.0f} | {r['wall_s']:>7.2f} | {r['events_per_s']:>9,.0f} "
-              f"| {r['sim_s_per_wall_s']:>14,.1f} |")
+        print(
+            f"| {name:44} | {r['events']:>10,.0f} | {r['wall_s']:>7.2f} | {r['events_per_s']:>9,.0f} "
+            f"| {r['sim_s_per_wall_s']:>14,.1f} |"
+        )
     camp = rows[f"campaign, checks on ({seeds} seeds)"]
     print(f"campaign: {camp['seeds_per_s']:.1f} seeds/s; 2,000 seeds take about {camp['projected_2000_seeds_s']:.0f} s")
 

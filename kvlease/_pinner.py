@@ -80,13 +80,24 @@ class _Lease:
     """One live lease. Plain slots class: it exists a million times over."""
 
     __slots__ = (
-        "accessor", "b_rank", "b_seq", "b_session", "done", "expected", "expiry", "key", "kind", "lease_id", "more",
-        "promised", "push", "released", "state",
+        "accessor",
+        "b_rank",
+        "b_seq",
+        "b_session",
+        "done",
+        "expected",
+        "expiry",
+        "key",
+        "kind",
+        "lease_id",
+        "more",
+        "promised",
+        "push",
+        "released",
+        "state",
     )
 
-    def __init__(
-        self, lease_id: int, key: str, kind: LeaseKind, expiry: float, expected: int, push: bool
-    ) -> None:
+    def __init__(self, lease_id: int, key: str, kind: LeaseKind, expiry: float, expected: int, push: bool) -> None:
         self.lease_id = lease_id
         self.key = key
         self.kind = kind
@@ -397,8 +408,14 @@ class Pinner:
         if lease is None:
             return None
         return LeaseInfo(
-            lease.lease_id, lease.key, lease.kind, lease.state, LocalTime(lease.expiry), lease.push,
-            len(lease.done or ()), lease.expected,
+            lease.lease_id,
+            lease.key,
+            lease.kind,
+            lease.state,
+            LocalTime(lease.expiry),
+            lease.push,
+            len(lease.done or ()),
+            lease.expected,
         )
 
     def ended_reason(self, lease_id: int) -> EndReason | None:
@@ -553,7 +570,13 @@ class Pinner:
         return tuple(out)
 
     def _renew(
-        self, now: LocalTime, incarnation: int, lease_ids: Iterable[int], engine_id: str, rank: int, session: int,
+        self,
+        now: LocalTime,
+        incarnation: int,
+        lease_ids: Iterable[int],
+        engine_id: str,
+        rank: int,
+        session: int,
         seq: int | None,
     ) -> tuple[int, list[int], list[int], list[int], list[int], int]:
         """Renew every named lease that is ACTIVE, not yet expired at `now`, and held for this
@@ -646,9 +669,13 @@ class Pinner:
         if lease is None:
             tomb = self._tombstones.get(lease_id) if incarnation == self.incarnation else None
             if (
-                tomb is not None and tomb.reason is EndReason.ACCESS_DONE and tomb.accessor == sender
-                and tomb.done is not None and rank in tomb.done
-                and tomb.sessions is not None and tomb.sessions.get(rank) == session
+                tomb is not None
+                and tomb.reason is EndReason.ACCESS_DONE
+                and tomb.accessor == sender
+                and tomb.done is not None
+                and rank in tomb.done
+                and tomb.sessions is not None
+                and tomb.sessions.get(rank) == session
             ):
                 return AccessOutcome.OK  # a duplicate of this rank's access-done, counted while live
             self.counters.late_access_done += 1

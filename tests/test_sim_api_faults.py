@@ -61,10 +61,23 @@ def test_the_real_core_passes_the_extended_seeds_and_the_api_faults_happen(real_
     for r in real_core.values():
         seen.update(r.api)
     for kind in (
-        "abort", "disconnect", "exact-end", "failed-after-notify", "failed-unposted", "held-to-expiry",
-        "misrouted-reply", "misrouted-to-accessor", "misrouted-to-pinner", "reply-again", "stale-or-misdelivered",
-        "retrack-after-completion-refused", "retrack-after-untrack-refused", "retrack-after-disconnect-refused",
-        "retrack-after-failed-transfer-refused", "redispatch-refused", "redispatch-accepted",
+        "abort",
+        "disconnect",
+        "exact-end",
+        "failed-after-notify",
+        "failed-unposted",
+        "held-to-expiry",
+        "misrouted-reply",
+        "misrouted-to-accessor",
+        "misrouted-to-pinner",
+        "reply-again",
+        "stale-or-misdelivered",
+        "retrack-after-completion-refused",
+        "retrack-after-untrack-refused",
+        "retrack-after-disconnect-refused",
+        "retrack-after-failed-transfer-refused",
+        "redispatch-refused",
+        "redispatch-accepted",
     ):
         assert seen[kind] > 0, (kind, seen)
     # The real core never lets an engine re-track a lease after completion, untrack or a failed
@@ -106,8 +119,18 @@ def test_the_v1_doubles_can_be_injected_from_the_command_line() -> None:
     pinner_factory, _ = BUGS["renew-at-expiry"]
     seed = next(s for s in SEEDS if run_seed(s, pinner_factory=pinner_factory).violations)
     res = CliRunner().invoke(
-        sim, ["--campaign", "1", "--first-seed", str(seed), "--inject-bug", "renew-at-expiry", "--json",
-              "--max-reports", "0"],
+        sim,
+        [
+            "--campaign",
+            "1",
+            "--first-seed",
+            str(seed),
+            "--inject-bug",
+            "renew-at-expiry",
+            "--json",
+            "--max-reports",
+            "0",
+        ],
     )
     assert res.exit_code == 1, res.output
     summary = json.loads(res.output[res.output.index("{") :])
@@ -151,7 +174,8 @@ def test_an_access_ends_exactly_at_valid_until_and_messages_land_exactly_at_expi
     for seed in range(40):
         sc = campaign_scenario(seed)
         sc = attrs.evolve(
-            sc, api=ApiSpec(exact_end=1.0, at_expiry=0.2, notify=0.5),
+            sc,
+            api=ApiSpec(exact_end=1.0, at_expiry=0.2, notify=0.5),
             config=sc.config.with_changes(validity_margin=MIN_VALIDITY_MARGIN),
         )
         r = run_scenario(sc, trace=True)
