@@ -149,6 +149,14 @@ def main() -> None:
                 s = senders[room] = cls(mgr, f"127.0.0.1:{PORT}", room)
                 s.init(cmd["pages"], aux_index=cmd["aux"])
                 answer({"ok": True, "status": status_name(s.poll())})
+            elif op == "connect":  # what the decode does on first contact with a prefill
+                addr = f"127.0.0.1:{cmd['prefill_port']}"
+                deadline = time.time() + 60
+                while not mgr.try_ensure_parallel_info(addr):
+                    if time.time() > deadline:
+                        raise RuntimeError("no parallel info from the prefill bootstrap server")
+                    time.sleep(0.05)
+                answer({"ok": True})
             elif op == "receiver":
                 room = cmd["room"]
                 addr = f"127.0.0.1:{cmd['prefill_port']}"

@@ -38,8 +38,12 @@ ENV = {
     "SGLANG_PLUGINS": "kvlease",
     "SGLANG_KVLEASE_LEASE_DURATION": str(D_LEASE),
     "SGLANG_KVLEASE_MAX_ACCESS_TIME": str(A),
-    # SGLang's own liveness probe of the prefill (HTTP to its bootstrap server) stays at its
-    # default (>= 10 s), so it cannot be what fails a room here.
+    # SGLang's fixed timeouts, shorter than the waits below: the leases replace them (a prefill
+    # slower than this keeps the decode's pages, a decode waiting for memory keeps the
+    # prefill's). SGLang's own liveness probe of the prefill (HTTP to its bootstrap server) stays
+    # at its default (>= 10 s), so it cannot be what fails a room here.
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3",
 }
 
 
@@ -53,6 +57,10 @@ class Cluster:
         self.ranks = [self.p1, self.d, self.p2]
         for r in self.ranks:
             r.wait_ready()
+        # The decode's first contact with each prefill (HTTP to its bootstrap server), as a
+        # decode does before its first request from it; not part of any timed scenario.
+        self.d.call("connect", prefill_port=self.port1)
+        self.d.call("connect", prefill_port=self.port2)
 
     def close(self) -> None:
         for r in self.ranks:
@@ -70,9 +78,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def bootstrap(c: Cluster, p: Rank, port: int, room: int, src: list[int], dst: list[int], aux: tuple[int, int]) -> None:
-    """P creates its sender, D its receiver and sends its metadata; P reaches WaitingForInput."""
-    p.call("sender", room=room, pages=len(src), aux=aux[0])
+    """D admits the request (its receiver asks P for the source ticket), P creates its sender
+    (granting the source lease and answering the early ask), D sends its metadata (granting the
+    destination lease); P reaches WaitingForInput."""
     c.d.call("receiver", room=room, prefill_port=port)
+    p.call("sender", room=room, pages=len(src), aux=aux[0])
     c.d.call("metadata", room=room, pages=dst, aux=aux[1])
     st = p.call("wait", room=room, statuses=["WaitingForInput", "Failed"], within=20)
     assert st["status"] == "WaitingForInput", st
@@ -129,8 +139,8 @@ def test_normal_transfer_byte_exact_and_leases_end(cluster: Cluster) -> None:
     src, dst = [3, 4, 5, 6], [8, 9, 10, 11]
     bootstrap(c, c.p1, c.port1, room, src, dst, aux=(1, 2))
     wait_validity(c.p1, room, A)
-    # A prefill slower than the lease duration (a long queue, a long forward) keeps the
-    # destination pages: its heartbeats renew them (and D's keep P's source pages).
+    # A prefill slower than the lease duration and than SGLang's waiting timeout (a long queue,
+    # a long forward) keeps the destination pages: its heartbeats renew them.
     time.sleep(D_LEASE + 0.5)
     c.p1.call("send", room=room, pages=src)
     assert c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=20)["status"] == "Success"
@@ -312,13 +322,14 @@ def test_decode_memory_wait_keeps_source_then_decode_killed_prefill_frees(cluste
     c, room, orphan = cluster, 105, 107
     t_orphan = time.time()
     c.p2.call("sender", room=orphan, pages=2, aux=7)  # a request no decode ever admits
-    c.p2.call("sender", room=room, pages=2, aux=6)
     c.d.call("receiver", room=room, prefill_port=c.port2)  # admitted; no metadata: short of memory
+    c.p2.call("sender", room=room, pages=2, aux=6)
     # The orphan's lease is never renewed: it fails at grant + d, not at SGLang's 300 s.
     st = c.p2.call("wait", room=orphan, statuses=["Failed"], within=D_LEASE + SLACK + 2)
     assert st["status"] == "Failed" and "kvlease: source-page lease expired" in (st["failure"] or ""), st
     assert D_LEASE - 0.05 <= st["t"] - t_orphan <= D_LEASE + SLACK, st["t"] - t_orphan
-    # Longer than the initial lease d: only D's renewals keep P2's source lease (and its room).
+    # Longer than the initial lease d and SGLang's bootstrap timeout: only D's renewals keep
+    # P2's source lease (and its room).
     time.sleep(max(0.0, t_orphan + D_LEASE + 1.0 - time.time()))
     assert c.p2.call("source_live", room=room)["live"], "a D short of memory lost P's pages"
     st = c.p2.call("wait", room=room, statuses=["Failed"], within=0)

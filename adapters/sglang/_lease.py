@@ -119,6 +119,7 @@ class LeaseRuntime:
         #: evicted first past MAX_STASHED, so junk cannot lock real requests out).
         self._source_asked: collections.OrderedDict[int, list[tuple[str, str]]] = collections.OrderedDict()
         self._dest_closing: set[int] = set()  # rooms the decode cleared while a lease was live
+        self._dest_expired: set[int] = set()  # rooms a destination lease of which expired
         # accessor side
         self._tracked: dict[int, set[str]] = {}  # room -> keys tracked here
         self._writes: dict[int, dict[str, int]] = {}  # room -> key -> transport handle
@@ -173,11 +174,13 @@ class LeaseRuntime:
                     if leases is not None and lease_id in leases:
                         leases[lease_id] = True
                     if reason is EndReason.EXPIRED:
+                        self._dest_expired.add(room)
                         self._emit("fail", room, "kvlease: destination-page lease expired (prefill silent)")
                     if leases is not None and all(leases.values()):
                         self._emit("dest_freed", room, reason.value)
                         if room in self._dest_closing:
                             self._dest_closing.discard(room)
+                            self._dest_expired.discard(room)
                             del self._dest[room]
                 elif key.startswith("s:"):
                     self._source.pop(room, None)
@@ -416,6 +419,16 @@ class LeaseRuntime:
         with self._lock:
             return all(self._dest.get(room, {}).values())
 
+    def dest_decides(self, room: int) -> bool:
+        """Decode: the destination leases of `room` decide its fate: one is live (the prefill is
+        alive: however long it takes, no fixed timeout applies) or one expired (the room fails
+        through the lease)."""
+        with self._lock:
+            leases = self._dest.get(room)
+            if not leases:
+                return False
+            return not all(leases.values()) or room in self._dest_expired
+
     def forget_dest(self, room: int) -> None:
         """Decode: the room is cleared; drop its bookkeeping once its leases have ended."""
         with self._lock:
@@ -425,6 +438,7 @@ class LeaseRuntime:
             if all(leases.values()):
                 del self._dest[room]
                 self._dest_closing.discard(room)
+                self._dest_expired.discard(room)
             else:
                 self._dest_closing.add(room)
 

@@ -19,6 +19,9 @@ Decode (`LeaseNixlKVManager` in DECODE mode, `LeaseNixlKVReceiver`):
 - ``init`` (admission, before the memory wait) asks each prefill rank for its source ticket and
   renews it from then on;
 - ``send_metadata`` first grants one push lease per prefill rank and sends it the ticket;
+- while a destination lease is live (or has expired and is failing the room), SGLang's fixed
+  ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` does not apply: an alive prefill keeps the pages however
+  long it takes;
 - a failed or aborted room releases its leases; SGLang's deferred release then holds the pages
   until ``is_abort_release_safe`` — which here means: every destination lease of the room has
   ended (access-done, a release never promised, or expiry plus the push guard). The prefill's
@@ -241,6 +244,8 @@ class LeaseNixlKVManager(NixlKVManager):  # type: ignore[misc]
 class LeaseNixlKVSender(NixlKVSender):  # type: ignore[misc]
     """SGLang's NIXL sender; its room's KV is held under a source lease the decode renews."""
 
+    _kvlease_source = False
+
     def __init__(
         self, mgr: Any, bootstrap_addr: str, bootstrap_room: int, req_has_disagg_prefill_dp_rank: bool = False
     ) -> None:
@@ -248,10 +253,10 @@ class LeaseNixlKVSender(NixlKVSender):  # type: ignore[misc]
         rt = getattr(mgr, "kvlease", None)
         if rt is not None and self.conclude_state is None and not getattr(mgr, "is_dummy_cp_rank", False):
             rt.open_source(bootstrap_room)
+            self._kvlease_source = rt.settings.source_lease
 
     def _check_bootstrap_timeout(self) -> Any:
-        rt = getattr(self.kv_mgr, "kvlease", None)
-        if rt is not None and rt.settings.source_lease and rt.source_live(self.bootstrap_room):
+        if self._kvlease_source:
             return None  # liveness instead of a fixed timeout: the lease's expiry fails the room
         return super()._check_bootstrap_timeout()
 
@@ -284,6 +289,12 @@ class LeaseNixlKVReceiver(NixlKVReceiver):  # type: ignore[misc]
             for ip, port in self._prefill_ranks():
                 rt.grant_dest(self.bootstrap_room, ip, port)
         super().send_metadata(kv_indices, aux_index, *args, **kwargs)
+
+    def _check_waiting_timeout(self) -> Any:
+        rt = getattr(self.kv_mgr, "kvlease", None)
+        if rt is not None and rt.settings.dest_lease and rt.dest_decides(self.bootstrap_room):
+            return None  # a live lease is an alive prefill; an expired one fails the room itself
+        return super()._check_waiting_timeout()
 
     def _settle(self, status: Any) -> None:
         rt = getattr(self.kv_mgr, "kvlease", None)
