@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -36,10 +37,25 @@ def require_vllm_env() -> None:
         pytest.skip(problem)
 
 
+_PORTS = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port that is free now, chosen below the kernel's ephemeral range (32768 and up), so the
+    ephemeral ports that other processes' sockets take meanwhile do not collide with it."""
+    for _ in range(200):
+        port = _PORTS.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 32000)")
+
+
+class PortTaken(AssertionError):
+    """A node could not bind a port chosen for it (taken in between): start it again."""
 
 
 class Node:
@@ -124,8 +140,10 @@ class Node:
                 return e
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = max(0.01, min(deadline - time.monotonic(), 1.0))
+            if ev == "ready" and "Address already in use" in self.tail(200):
+                raise PortTaken(f"{self.name}: a port was taken:\n" + self.tail())
+            if deadline - time.monotonic() <= 0:
                 raise AssertionError(
                     f"{self.name}: no {ev} {match} within {timeout} s; log {self.log_path}:\n" + self.tail()
                 )
@@ -134,6 +152,8 @@ class Node:
             except queue.Empty:
                 continue
             if got is None:
+                if ev == "ready" and "Address already in use" in self.tail(200):
+                    raise PortTaken(f"{self.name}: a port was taken:\n" + self.tail())
                 raise AssertionError(f"{self.name} exited (rc={self.proc.poll()}) before {ev} {match}:\n" + self.tail())
             self.events.append(got)
             if got["ev"] == ev and all(got.get(k) == v for k, v in match.items()):

@@ -79,6 +79,18 @@ def main() -> None:
 
         logging.basicConfig(level=logging.WARNING, format="%(created).3f %(name)s %(message)s")
         logging.getLogger("kvlease").setLevel(logging.DEBUG)
+    # NIXL's progress thread polls UCX without pause (a core each); four instances on a 2-core
+    # machine would starve each other (and any process stalled past D/2 rightly loses its
+    # leases). Without it, UCX progresses whenever the connector polls, i.e. every step, which
+    # these instances do every few ms. A tuning of NIXL's agent config, not of vLLM's logic.
+    import functools
+
+    import vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker as nixl_base_worker
+
+    if nixl_base_worker.nixl_agent_config is not None:
+        nixl_base_worker.nixl_agent_config = functools.partial(
+            nixl_base_worker.nixl_agent_config, enable_prog_thread=False
+        )
     extra = json.loads(args.extra)
     if args.connector == "kvlease":
         conn, module = "KvleaseNixlConnector", "kvlease.adapters.vllm"

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _vllm_helpers import Node, require_vllm_env
+from _vllm_helpers import Node, PortTaken, require_vllm_env
 
 pytestmark = pytest.mark.slow
 
@@ -35,17 +35,31 @@ SLACK = 1.0
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[dict[str, Node]]:
     require_vllm_env()
-    nodes = {
-        "P1": Node(
-            "P1", "kv_producer", "kvlease", extra=EXTRA, bad_config={"kv_lease_duration": D, "validity_margin": -1}
+    specs: dict[str, dict[str, Any]] = {
+        "P1": dict(
+            role="kv_producer",
+            connector="kvlease",
+            extra=EXTRA,
+            bad_config={"kv_lease_duration": D, "validity_margin": -1},
         ),
-        "D1": Node("D1", "kv_consumer", "kvlease", extra=EXTRA, max_num_seqs=1, bad_config={"kvlease_engine_tll": 5}),
-        "P2": Node("P2", "kv_producer", "stock", extra={"kv_lease_duration": int(D)}),
-        "D2": Node("D2", "kv_consumer", "stock", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
+        "D1": dict(
+            role="kv_consumer", connector="kvlease", extra=EXTRA, max_num_seqs=1, bad_config={"kvlease_engine_tll": 5}
+        ),
+        "P2": dict(role="kv_producer", connector="stock", extra={"kv_lease_duration": int(D)}),
+        "D2": dict(role="kv_consumer", connector="stock", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
     }
+    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
     try:
-        for n in nodes.values():
-            n.wait("ready", timeout=240)
+        for name in specs:
+            for attempt in range(3):
+                try:
+                    nodes[name].wait("ready", timeout=240)
+                    break
+                except PortTaken:
+                    if attempt == 2:
+                        raise
+                    nodes[name].close()
+                    nodes[name] = Node(name, **specs[name])
         yield nodes
     finally:
         for n in nodes.values():
