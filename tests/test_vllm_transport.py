@@ -1,0 +1,129 @@
+"""The vLLM adapter's transport over a connector's NIXL agent (pure: a recording stand-in for the
+agent, no vLLM and no NIXL; the real agent is exercised by tests/test_vllm_adapter.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from kvlease.adapters.vllm._transport import HELLO_MAGIC, ConnectorTransport
+from kvlease.transports import HandshakeFailed, HandshakeRequest, Inbound, PeerUnreachable, TransferResult
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+        self.loaded: list[bytes] = []
+        self.removed: list[str] = []
+
+    def send_notif(self, name: str, notif_msg: bytes = b"") -> None:
+        self.sent.append((name, notif_msg))
+
+    def add_remote_agent(self, md: bytes) -> bytes:
+        self.loaded.append(md)
+        return b"agent-" + md  # NIXL returns the name as bytes
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.removed.append(name)
+
+    def get_agent_metadata(self) -> bytes:
+        return b"my-md"
+
+
+def hello(engine: str = "D", rank: int = 0, md: bytes = b"d0", hs: bytes = b"HS") -> bytes:
+    return HELLO_MAGIC + msgpack.packb({"e": engine, "r": rank, "md": md, "hs": hs}, use_bin_type=True)
+
+
+def test_producer_loads_a_decoders_agent_only_when_the_handshake_is_answered() -> None:
+    agent = Agent()
+    t = ConnectorTransport(agent, "P", 0, {}, lambda e: None)
+    t.feed("agent-d0", hello())
+    (req,) = t.poll_handshakes()
+    assert isinstance(req, HandshakeRequest) and req.data == b"HS"
+    assert agent.loaded == []  # nothing installed before the driver accepted it
+    with pytest.raises(PeerUnreachable):
+        t.send("D", 0, b"ack")
+    t.answer_handshake(req.token, b"REPLY")
+    assert agent.loaded == [b"d0"] and agent.sent == [("agent-d0", b"REPLY")]
+    t.send("D", 0, b"ack")
+    assert agent.sent[-1] == ("agent-d0", b"ack")
+    t.feed("agent-d0", b"\x92frame")
+    assert t.receive() == [Inbound("D", 0, b"\x92frame")]
+    t.forget_peer("D")
+    assert agent.removed == ["agent-d0"]
+
+
+def test_a_refused_or_malformed_hello_installs_nothing() -> None:
+    agent = Agent()
+    t = ConnectorTransport(agent, "P", 0, {}, lambda e: None)
+    t.feed("x", hello())
+    (req,) = t.poll_handshakes()
+    t.reject_handshake(req.token)
+    t.answer_handshake(req.token, b"late")  # a refused token is forgotten
+    for bad in (HELLO_MAGIC + b"\xff\x00", hello(engine=""), hello(rank=-1), HELLO_MAGIC + msgpack.packb([1, 2])):
+        t.feed("x", bad)
+    assert t.poll_handshakes() == [] and agent.loaded == [] and agent.sent == []
+    assert t.dropped_hellos == 4
+
+
+def test_decoder_says_hello_once_vllms_handshake_has_loaded_the_producer() -> None:
+    agent = Agent()
+    remote: dict[str, dict[tuple[int, int], Any]] = {}
+    started: list[str] = []
+
+    class Pending:
+        def __init__(self) -> None:
+            self.finished = False
+            self.error: BaseException | None = None
+
+        def done(self) -> bool:
+            return self.finished
+
+        def exception(self) -> BaseException | None:
+            return self.error
+
+    fut = Pending()
+
+    def ensure(engine: str) -> Pending | None:
+        if engine != "P":
+            raise KeyError(engine)
+        started.append(engine)
+        return fut
+
+    t = ConnectorTransport(agent, "D", 0, remote, ensure)
+    t.request_handshake("P", "127.0.0.1:5600", b"HS")
+    assert started == ["P"] and agent.sent == []
+    t.progress()
+    assert agent.sent == []  # vLLM's handshake still running
+    remote["P"] = {(0, 0): b"agent-p0"}
+    fut.finished = True
+    t.progress()
+    ((name, data),) = agent.sent
+    assert name == b"agent-p0" and data.startswith(HELLO_MAGIC)
+    body = msgpack.unpackb(data[len(HELLO_MAGIC) :], raw=False)
+    assert body == {"e": "D", "r": 0, "md": b"my-md", "hs": b"HS"}
+    t.feed("agent-p0", b"\x92ack")  # the producer's reply, from an agent vLLM loaded (bytes name)
+    assert t.receive() == [Inbound("P", 0, b"\x92ack")]
+    t.request_handshake("Q", "127.0.0.1:5601", b"HS")  # no side channel known for Q
+    assert t.poll_handshakes() == [HandshakeFailed("Q", "no side channel known: 'Q'")]
+
+
+def test_external_access_completes_when_vllm_reports_the_read() -> None:
+    t = ConnectorTransport(Agent(), "D", 0, {}, lambda e: None)
+    with pytest.raises(RuntimeError):
+        t.start_read("P", 0, "kv", None, b"done")  # only for a request named with expect()
+    t.expect("r1")
+    h = t.start_read("P", 0, "kv", None, b"done")
+    t.expect(None)
+    assert t.notification("r1") == b"done" and t.outstanding("r1")
+    assert t.poll_transfers() == []
+    assert t.complete("r1", ok=True)
+    assert t.poll_transfers() == [TransferResult(h, True)]
+    assert not t.complete("r1", ok=True)  # reported once
+    t.expect("r2")
+    h2 = t.start_read("P", 0, "kv", None, b"done2")
+    t.cancel_transfer(h2)  # the driver gave up on it
+    assert not t.outstanding("r2") and not t.complete("r2", ok=True)
+    with pytest.raises(NotImplementedError):
+        t.register("kv", bytearray(8))
