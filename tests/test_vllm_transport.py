@@ -13,11 +13,11 @@ from kvlease.transports import HandshakeFailed, HandshakeRequest, Inbound, PeerU
 
 class Agent:
     def __init__(self) -> None:
-        self.sent: list[tuple[str, bytes]] = []
+        self.sent: list[tuple[object, bytes]] = []
         self.loaded: list[bytes] = []
         self.removed: list[str] = []
 
-    def send_notif(self, name: str, notif_msg: bytes = b"") -> None:
+    def send_notif(self, name: object, notif_msg: bytes = b"") -> None:
         self.sent.append((name, notif_msg))
 
     def add_remote_agent(self, md: bytes) -> bytes:
@@ -32,7 +32,8 @@ class Agent:
 
 
 def hello(engine: str = "D", rank: int = 0, md: bytes = b"d0", hs: bytes = b"HS") -> bytes:
-    return HELLO_MAGIC + msgpack.packb({"e": engine, "r": rank, "md": md, "hs": hs}, use_bin_type=True)
+    body: bytes = msgpack.packb({"e": engine, "r": rank, "md": md, "hs": hs}, use_bin_type=True)
+    return HELLO_MAGIC + body
 
 
 def test_producer_loads_a_decoders_agent_only_when_the_handshake_is_answered() -> None:
