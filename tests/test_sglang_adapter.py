@@ -140,8 +140,10 @@ def test_normal_transfer_byte_exact_and_leases_end(cluster: Cluster) -> None:
     bootstrap(c, c.p1, c.port1, room, src, dst, aux=(1, 2))
     wait_validity(c.p1, room, A)
     # A prefill slower than the lease duration and than SGLang's waiting timeout (a long queue,
-    # a long forward) keeps the destination pages: its heartbeats renew them.
-    time.sleep(D_LEASE + 0.5)
+    # a long forward) keeps the destination pages: its heartbeats renew them. D polls its
+    # receiver meanwhile, as SGLang's decode loop does (the timeout is checked in poll()).
+    st = c.d.call("wait", room=room, statuses=["Failed", "Success"], within=D_LEASE + 0.5)
+    assert st["status"] == "WaitingForInput", st
     c.p1.call("send", room=room, pages=src)
     assert c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=20)["status"] == "Success"
     got = c.d.call("wait", room=room, statuses=["Success", "Failed"], within=20)
