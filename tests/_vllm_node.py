@@ -323,11 +323,11 @@ def main() -> None:
         for rid in kvo.finished_recving or ():
             info = waiting.get(rid)
             failed = rid in (kvo.failed_recving or ())
-            blocks = None
+            loaded: list[int] | None = None
             if rid in scheduler.requests:
-                blocks = list(scheduler.kv_cache_manager.get_block_ids(rid)[0])
-            ok = None if failed or not blocks or info is None else check(info["prefill_id"], blocks)
-            emit("recv_done", id=rid, failed=failed, match=ok, blocks=blocks)
+                loaded = list(scheduler.kv_cache_manager.get_block_ids(rid)[0])
+            ok = None if failed or not loaded or info is None else check(info["prefill_id"], loaded)
+            emit("recv_done", id=rid, failed=failed, match=ok, blocks=loaded)
         for rid in kvo.finished_sending or ():
             emit("freed", id=rid)
         mro = ModelRunnerOutput(

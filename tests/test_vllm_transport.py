@@ -60,6 +60,7 @@ def test_a_refused_or_malformed_hello_installs_nothing() -> None:
     t = ConnectorTransport(agent, "P", 0, {}, lambda e: None)
     t.feed("x", hello())
     (req,) = t.poll_handshakes()
+    assert isinstance(req, HandshakeRequest)
     t.reject_handshake(req.token)
     t.answer_handshake(req.token, b"late")  # a refused token is forgotten
     for bad in (HELLO_MAGIC + b"\xff\x00", hello(engine=""), hello(rank=-1), HELLO_MAGIC + msgpack.packb([1, 2])):
