@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._sglang_helpers import Rank, free_port, need_sglang
+from _sglang_helpers import Rank, free_port, need_sglang
 
 pytestmark = pytest.mark.slow
 
