@@ -1,13 +1,14 @@
 """`kvlease demo`: a pinner (P) and an accessor (D) as two real OS processes on loopback.
 
 This module owns the command's options and their validation, the orchestration of the two
-child processes per scenario (spawn, watch, play the router between them: grant once D is
-connected, forward each lease ticket to D, tell P when D is gone; SIGKILL D in the crash
-scenario, and always kill and reap them in ``finally``, on Ctrl-C and on SIGTERM too), the rich
-live view, the summary table, ``--json`` output and ``--metrics-port`` (the children's driver
-`TransportStats`, exported through `kvlease.transports.metrics`). The process bodies (a
-`kvlease.transports.Driver` over the real ZMQ or NIXL transport each) are in `_demo_proc`, the
-scenarios and their bounds in `_demo_scenarios`. It never decides anything about a lease: the
+child processes per scenario (`_Play`: spawn them on the child-process harness, watch, play the
+router between them: grant once D is connected, forward each lease ticket to D, tell P when D
+is gone; inflict the scenario's fault, and always kill and reap them in ``finally``, on Ctrl-C
+and on SIGTERM too), the rich live view, the summary table, ``--json`` output and
+``--metrics-port`` (the children's driver `TransportStats`, exported through
+`kvlease.transports.metrics`). The process bodies (a `kvlease.transports.Driver` over the real
+ZMQ or NIXL transport each) are in `_demo_proc`; each scenario (timing, fault, judgement, row)
+is one object in `_demo_scenarios`. It never decides anything about a lease: the
 core in each child does.
 """
 
