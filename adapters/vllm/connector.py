@@ -230,12 +230,12 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         if self._kv_pinner_role:
             if incarnation is None:
                 raise RuntimeError("the kvlease scheduler did not send its incarnation")
-            pinner = Pinner(cfg, self.engine_id, incarnation, rank=self.transfer_tp_rank, ranks=self.world_size)
+            pinner = Pinner(cfg, self.engine_id, incarnation, rank=self.transfer_tp_rank, ranks=self.transfer_tp_size)
             self._kv_incarnation = incarnation
         accessor = None
         if self._kv_accessor_role:
             accessor = Accessor(
-                cfg, self.engine_id, session=new_session(), rank=self.transfer_tp_rank, ranks=self.world_size
+                cfg, self.engine_id, session=new_session(), rank=self.transfer_tp_rank, ranks=self.transfer_tp_size
             )
         s = self.kvlease_settings
         self.kvlease_driver = Driver(
@@ -284,7 +284,9 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         try:
             ticket = LeaseTicket.from_dict(info["ticket"])
         except ProtocolError as exc:
-            log.warning("kvlease: request %s carries a malformed lease ticket (%s): vLLM's own lease only", req_id, exc)
+            # Not heartbeated by vLLM either (the scheduler took the kvlease path): never read it.
+            log.warning("kvlease: request %s carries a malformed lease ticket (%s): its load will fail", req_id, exc)
+            self._kv_lost.add(req_id)
             return
         self._kv_engines[ticket.engine_id] = info
         self._kv_tickets[req_id] = ticket
@@ -333,7 +335,7 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self._kv_untrack(driver, req_id)
             super()._read_blocks_for_req(req_id, meta)
             return None
-        targets = tp_layout(ticket.ranks, self.world_size, self.transfer_tp_rank).targets
+        targets = tp_layout(ticket.ranks, self.transfer_tp_size, self.transfer_tp_rank).targets
         into: Any = None if len(targets) == 1 else dict.fromkeys(targets)
         self.kvlease_transport.expect(req_id)
         try:
