@@ -21,7 +21,11 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import zmq
+    from kvlease.adapters.sglang._lease import LeaseRuntime
 
 # Die with the test runner, even if it is killed before its teardown (Linux: PR_SET_PDEATHSIG).
 with contextlib.suppress(OSError, AttributeError):
@@ -46,13 +50,24 @@ def fill_source(kv: list[Any], aux: Any) -> None:
 def main() -> None:
     import numpy as np
     import torch
-    from sglang.srt.disaggregation import decode as sg_decode
-    from sglang.srt.disaggregation import prefill as sg_prefill
-    from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
+
+    # sglang has no type information (and is installed only in .venv-sglang): its imports are
+    # ignored one by one, as in adapters/sglang/.
+    from sglang.srt.disaggregation import decode as sg_decode  # type: ignore[import-not-found]
+    from sglang.srt.disaggregation import prefill as sg_prefill  # mypy reports this package once: above
+    from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # type: ignore[import-not-found]
+    from sglang.srt.disaggregation.utils import (  # type: ignore[import-not-found]
+        DisaggregationMode,
+        KVClassType,
+        TransferBackend,
+    )
+    from sglang.srt.plugins import (  # type: ignore[import-not-found]
+        GENERAL_PLUGINS_GROUP,
+        load_plugins,
+        load_plugins_by_group,
+    )
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish  # type: ignore[import-not-found]
+    from sglang.srt.server_args import ServerArgs  # type: ignore[import-not-found]
 
     t_start = time.time()
     load_plugins()
@@ -106,7 +121,7 @@ def main() -> None:
         mgr = mod.get_kv_class(nixl, KVClassType.MANAGER)(a, DisaggregationMode.PREFILL, sa, False)
     else:
         mgr = mod.get_kv_class(nixl, KVClassType.MANAGER)(a, DisaggregationMode.DECODE, sa, False)
-    rt = getattr(mgr, "kvlease", None)
+    rt: LeaseRuntime | None = getattr(mgr, "kvlease", None)
     senders: dict[int, Any] = {}
     receivers: dict[int, Any] = {}
     posts: list[float] = []
@@ -132,12 +147,27 @@ def main() -> None:
         }
     )
 
+    names: dict[int, str] = {v: k for k, v in vars(KVPoll).items() if isinstance(v, int)}
+
     def status_name(s: int) -> str:
-        return {v: k for k, v in vars(KVPoll).items() if isinstance(v, int)}[s]
+        return names[s]
 
     def failure(room: int) -> str | None:
         with mgr.failure_lock:
-            return mgr.failure_records.get(room)
+            record: str | None = mgr.failure_records.get(room)  # room -> reason, if it failed
+            return record
+
+    def runtime() -> LeaseRuntime:
+        if rt is None:
+            raise RuntimeError(f"no kvlease runtime on {type(mgr).__name__}")
+        return rt
+
+    def party(room: int) -> Any:
+        """This rank's sender (prefill) or receiver (decode) for `room`."""
+        obj = senders.get(room) if ROLE == "prefill" else receivers.get(room)
+        if obj is None:
+            raise KeyError(f"no {'sender' if ROLE == 'prefill' else 'receiver'} for room {room}")
+        return obj
 
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -174,7 +204,7 @@ def main() -> None:
                 answer({"ok": True, "t": time.time()})
             elif op == "wait":  # poll the sender/receiver until one of the statuses, or timeout
                 room = cmd["room"]
-                obj = senders.get(room) if ROLE == "prefill" else receivers.get(room)
+                obj = party(room)
                 want = set(cmd["statuses"])
                 deadline = time.time() + cmd["within"]
                 st = status_name(obj.poll())
@@ -186,8 +216,7 @@ def main() -> None:
                 senders[cmd["room"]].send(np.array(cmd["pages"], dtype=np.int32))
                 answer({"ok": True, "t": time.time()})
             elif op == "abort":
-                obj = senders.get(cmd["room"]) if ROLE == "prefill" else receivers.get(cmd["room"])
-                obj.abort()
+                party(cmd["room"]).abort()
                 answer({"ok": True, "t": time.time()})
             elif op == "clear":
                 obj = senders.pop(cmd["room"]) if ROLE == "prefill" else receivers.pop(cmd["room"])
@@ -203,7 +232,7 @@ def main() -> None:
                     safe = bool(mgr.is_abort_release_safe(cmd["room"], 1))
                 answer({"ok": True, "safe": safe, "t": time.time()})
             elif op == "pages":  # bytes of the given pages, every layer, as lists of distinct values
-                out = {}
+                out: dict[str, list[list[int]]] = {}
                 for p in cmd["pages"]:
                     out[str(p)] = [sorted({int(x) for x in kv[layer][p].tolist()}) for layer in range(LAYERS)]
                 answer({"ok": True, "pages": out, "aux": sorted({int(x) for x in aux[cmd.get("aux", 0)].tolist()})})
@@ -227,32 +256,35 @@ def main() -> None:
             elif op == "posts":
                 answer({"ok": True, "posts": posts})
             elif op == "source_live":
-                answer({"ok": True, "live": bool(rt.source_live(cmd["room"]))})
+                answer({"ok": True, "live": bool(runtime().source_live(cmd["room"]))})
             elif op == "validity":  # seconds of validity left on each lease this rank accesses
-                with rt._lock:
-                    now = rt.driver.now()
-                    left = {}
-                    for key in sorted(rt._tracked.get(cmd["room"], set())):
+                lr = runtime()
+                with lr._lock:
+                    now = lr.driver.now()
+                    left: dict[str, float | None] = {}
+                    for key in sorted(lr._tracked.get(cmd["room"], set())):
                         if key.startswith(cmd.get("prefix", "d:")):
-                            vu = rt.accessor.valid_until(key)
+                            vu = lr.accessor.valid_until(key)
                             left[key] = None if vu is None else vu - now
                 answer({"ok": True, "left": left, "t": time.time()})
             elif op == "dest_expiry":  # decode: seconds until each destination lease's expiry
-                with rt._lock:
-                    now = rt.driver.now()
-                    exp = {}
-                    for lid in rt._dest.get(cmd["room"], {}):
-                        info = rt.pinner.info(lid)
+                lr = runtime()
+                with lr._lock:
+                    now = lr.driver.now()
+                    exp: dict[str, list[float | str] | None] = {}
+                    for lid in lr._dest.get(cmd["room"], {}):
+                        info = lr.pinner.info(lid)
                         exp[str(lid)] = None if info is None else [info.expiry - now, str(info.state)]
                 answer({"ok": True, "expiry": exp, "t": time.time()})
             elif op == "stats":
+                lr = runtime()
                 answer(
                     {
                         "ok": True,
-                        "stats": {k: v for k, v in rt.stats.snapshot().items()},
-                        "writes_refused": rt.writes_refused,
-                        "rooms_failed": rt.rooms_failed,
-                        "dropped": rt.transport.dropped + getattr(mgr, "kvlease_dropped", 0),
+                        "stats": {k: v for k, v in lr.stats.snapshot().items()},
+                        "writes_refused": lr.writes_refused,
+                        "rooms_failed": lr.rooms_failed,
+                        "dropped": lr.transport.dropped + getattr(mgr, "kvlease_dropped", 0),
                     }
                 )
             elif op == "metrics":
@@ -262,7 +294,7 @@ def main() -> None:
             elif op == "inject":  # raw multipart onto a manager socket (hostile traffic)
                 import zmq
 
-                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 10000)
                 sock.connect(f"tcp://127.0.0.1:{cmd['port']}")
                 for frames in cmd["messages"]:
@@ -274,8 +306,6 @@ def main() -> None:
 
                 answer({"ok": True, "threads": sorted(t.name for t in threading.enumerate())})
             elif op == "discover":  # SGLang's plugin discovery under a given SGLANG_PLUGINS
-                from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
-
                 saved = os.environ.get("SGLANG_PLUGINS")
                 os.environ["SGLANG_PLUGINS"] = cmd["allow"]
                 try:
@@ -290,7 +320,7 @@ def main() -> None:
                 from kvlease.adapters.sglang._nixl import _check_decode_release_settings
                 from kvlease.adapters.sglang._settings import load_settings
 
-                saved = {k: os.environ.get(k) for k in cmd["env"]}
+                saved_env: dict[str, str | None] = {k: os.environ.get(k) for k in cmd["env"]}
                 os.environ.update(cmd["env"])
                 try:
                     _check_decode_release_settings(load_settings())
@@ -298,7 +328,7 @@ def main() -> None:
                 except Exception as exc:
                     verdict = f"{type(exc).__name__}: {exc}"
                 finally:
-                    for k, v in saved.items():
+                    for k, v in saved_env.items():
                         if v is None:
                             os.environ.pop(k, None)
                         else:
