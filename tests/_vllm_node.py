@@ -283,10 +283,12 @@ def main() -> None:
             if op == "prefill":
                 params = {"do_remote_decode": True}
                 max_tokens = 1
-            elif op == "decode":
+            elif op in ("decode", "turn2"):
+                # turn2: bidirectional turn 2 on a producer, reading turn 1's blocks back from
+                # the decoder (only the first `check_blocks` hold the turn-1 prefill's pattern).
                 params = dict(cmd["params"])
-                max_tokens = cmd.get("max_tokens", 2)
-                waiting[rid] = {"prefill_id": cmd.get("prefill_id", rid), "blocks": None}
+                max_tokens = cmd.get("max_tokens", 2 if op == "decode" else 1)
+                waiting[rid] = {"prefill_id": cmd.get("prefill_id", rid), "check_blocks": cmd.get("check_blocks")}
             else:  # "local": a plain request (occupies a sequence slot while it decodes)
                 params = None
                 max_tokens = cmd.get("max_tokens", 10)
@@ -326,7 +328,9 @@ def main() -> None:
             loaded: list[int] | None = None
             if rid in scheduler.requests:
                 loaded = list(scheduler.kv_cache_manager.get_block_ids(rid)[0])
-            ok = None if failed or not loaded or info is None else check(info["prefill_id"], loaded)
+            ok = None
+            if not failed and loaded and info is not None:
+                ok = check(info["prefill_id"], loaded[: info["check_blocks"] or len(loaded)])
             emit("recv_done", id=rid, failed=failed, match=ok, blocks=loaded)
         for rid in kvo.finished_sending or ():
             emit("freed", id=rid)

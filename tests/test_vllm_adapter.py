@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 #: by 2D/3 = 4 s. A process stalled longer than D/2 (a loaded 2-core machine can stall one for
 #: seconds) would rightly lose its lease, so D is not shorter.
 D = 6.0
-EXTRA = {"kv_lease_duration": D}
+EXTRA = {"kv_lease_duration": D, "bidirectional_kv_xfer": True}
 RHO = 1e-4  # max_drift_rate (default)
 #: Scheduling slack of a step loop on a loaded 2-core machine (steps are every ~10 ms).
 SLACK = 1.0
@@ -123,6 +123,30 @@ def test_kvlease_counters_reach_vllms_prometheus_metrics(fleet: dict[str, Node])
     d = fleet["D1"].stats()
     assert d["prometheus"]["vllm:kvlease_accesses_completed_total"] == d["driver"]["accesses_completed"] >= 1
     assert "vllm:kvlease_leases_granted_total" not in fleet["P2"].stats()["prometheus"]
+
+
+def test_bidirectional_turn2_reads_the_decoders_blocks_under_a_fixed_ttl_lease(fleet: dict[str, Node]) -> None:
+    """Bidirectional KV transfer (``bidirectional_kv_xfer``): turn 1 ends on D1, which keeps its
+    blocks under a fixed-TTL lease (vLLM's ``decoder_kv_blocks_ttl``) whose deadline travels in
+    the ticket; P1 tracks it from queue entry, READs the blocks back for turn 2 (judged by the
+    accessor's clock-offset estimate from heartbeat round trips, not vLLM's one-shot offset), and
+    the read-done frees D1's blocks through ``finished_sending``."""
+    p1, d1 = fleet["P1"], fleet["D1"]
+    params = prefill(p1, "t1")
+    d1.send(op="decode", id="t1", params=params)
+    assert d1.wait("recv_done", 60, id="t1")["match"] is True
+    turn2 = d1.wait("finished", 60, id="t1")["params"]
+    ticket = turn2["kvlease"]
+    assert ticket["engine_id"] == "D1" and ticket["kind"] == 1 and "deadline" in ticket  # FIXED_TTL
+    p1.send(op="turn2", id="t2", params=turn2, prefill_id="t1", check_blocks=3, tokens=160)
+    done = p1.wait("recv_done", 60, id="t2")
+    assert done["failed"] is False and done["match"] is True
+    d1.wait("freed", 30, id="t1")  # D1's turn-1 blocks, on P1's read-done
+    assert p1.stats()["driver"]["accesses_completed"] >= 1
+    # Turn 2's decode: D1 reads P1's turn-2 blocks as usual, which frees them on P1.
+    d1.send(op="decode", id="t2", params=p1.wait("finished", 30, id="t2")["params"], tokens=160)
+    assert d1.wait("recv_done", 60, id="t2")["match"] is True
+    p1.wait("freed", 30, id="t2")
 
 
 def _queue(p: Node, d: Node, rid: str, blockers: int = 2) -> float:

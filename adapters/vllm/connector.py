@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvlease.transports import Driver, TransferFailed, new_session
@@ -43,8 +44,10 @@ from kvlease import (
     AccessStale,
     EndReason,
     Free,
+    LeaseKind,
     LeaseLost,
     LeaseTicket,
+    PeerTime,
     Pinner,
     ProtocolError,
     is_native_frame,
@@ -85,6 +88,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self.kvlease_incarnation = secrets.randbits(64)
         self._kv_next_id = 1
         self._kv_grants: dict[str, int] = {}
+        self._kv_fixed: dict[str, float] = {}  # fixed-TTL grants: request -> deadline (monotonic)
         self._kv_track: dict[str, dict[str, Any]] = {}
         self._kv_tracked: set[str] = set()
         self._kv_untrack: list[str] = []
@@ -108,13 +112,42 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
                 lease_id=lease_id,
                 ranks=self.transfer_tp_size,
             ).to_dict()
+        elif delay and params is not None and params.get("do_remote_decode") and self.is_bidirectional_kv_xfer_enabled:
+            # Bidirectional turn 1 ends on the decoder: its blocks stay for the producer's turn-2
+            # READ under a fixed-TTL lease (vLLM's decoder_kv_blocks_ttl). The deadline is in
+            # this host's monotonic clock, which the workers' drivers read too; the reader
+            # converts it with its continuously refined clock-offset estimate, not a one-shot one.
+            lease_id = self._kv_next_id
+            self._kv_next_id += 1
+            deadline = time.monotonic() + float(self.decoder_kv_blocks_ttl)
+            self._kv_grants[req_id] = lease_id
+            self._kv_fixed[req_id] = deadline
+            params[TICKET_KEY] = LeaseTicket(
+                engine_id=self.engine_id,
+                incarnation=self.kvlease_incarnation,
+                lease_id=lease_id,
+                kind=LeaseKind.FIXED_TTL,
+                deadline=PeerTime(deadline),
+                ranks=self.transfer_tp_size,
+            ).to_dict()
         return delay, params
 
     # decoder: track from queue entry
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
         ticket = None if params is None else params.get(TICKET_KEY)
-        if params is None or not params.get("do_remote_prefill") or ticket is None:
+        turn2 = (
+            params is not None
+            and params.get("do_remote_decode")
+            and self.is_bidirectional_kv_xfer_enabled
+            and ticket is not None
+            and params.get("remote_block_ids")
+        )
+        if turn2:
+            # Bidirectional turn 2: this producer will READ the decoder's blocks; track the
+            # decoder's fixed-TTL lease from queue entry (vLLM's own handling runs too).
+            super().on_new_request(request)
+        elif params is None or not params.get("do_remote_prefill") or ticket is None:
             if params is not None and params.get("do_remote_prefill"):
                 engine = str(params.get("remote_engine_id"))
                 if engine not in self._kv_warned and len(self._kv_warned) < 1024:
@@ -141,10 +174,11 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         meta.kvlease = {
             "incarnation": self.kvlease_incarnation,
             "grants": self._kv_grants,
+            "fixed": self._kv_fixed,
             "track": self._kv_track,
             "untrack": self._kv_untrack,
         }
-        self._kv_grants, self._kv_track, self._kv_untrack = {}, {}, []
+        self._kv_grants, self._kv_fixed, self._kv_track, self._kv_untrack = {}, {}, {}, []
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -195,8 +229,11 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_settings = _settings_of(vllm_config)
         role = vllm_config.kv_transfer_config.kv_role
-        self._kv_pinner_role = role in ("kv_producer", "kv_both")
-        self._kv_accessor_role = role in ("kv_consumer", "kv_both")
+        # Bidirectional KV transfer: the decoder also holds blocks (turn 1's) for the producer,
+        # which also reads (turn 2): both roles on both sides.
+        both = bool(self._bidirectional_kv_xfer_enabled) or role == "kv_both"
+        self._kv_pinner_role = role == "kv_producer" or both
+        self._kv_accessor_role = role == "kv_consumer" or both
         self._kv_swap: dict[str, bytes] = {}  # remote request id -> access-done to attach
         agent: Any = self.nixl_wrapper
         self.nixl_wrapper = _NotifSwap(agent, self._kv_swap)
@@ -272,12 +309,19 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         if grants and driver.pinner is not None:
             if kv.get("incarnation") != self._kv_incarnation:
                 raise RuntimeError("the kvlease scheduler's incarnation changed under a running worker")
+            fixed = kv.get("fixed", {})
             for req_id, lease_id in grants.items():
                 # vLLM's worker took the request (it is still to be processed): grant instead of
                 # vLLM's deadline, which its reaper would otherwise scan every step.
                 if self._reqs_to_send.pop(req_id, None) is None:
                     continue
-                driver.grant(req_id, lease_id=lease_id)
+                deadline = fixed.get(req_id)
+                if deadline is None:
+                    driver.grant(req_id, lease_id=lease_id)
+                else:
+                    # The scheduler's deadline, in the same monotonic clock the driver reads.
+                    ttl = max(float(deadline) - float(driver.now()), 1e-3)
+                    driver.grant(req_id, lease_id=lease_id, kind=LeaseKind.FIXED_TTL, ttl=ttl)
                 self._kv_granted.add(req_id)
 
     def _kv_track(self, driver: Driver, req_id: str, info: dict[str, Any]) -> None:
@@ -354,6 +398,9 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
             self._kv_swap[remote_id] = notif
             self._kv_remote_id[req_id] = remote_id
         self._kv_reading.add(req_id)
+        # A turn-2 READ is judged by the accessor (fixed-TTL lease, continuous clock-offset
+        # estimate), not by vLLM's one-shot offset from the handshake.
+        meta.remote.blocks_expiry_time = None
         super()._read_blocks_for_req(req_id, meta)
         return None
 
