@@ -239,7 +239,7 @@ def test_decoder_killed_producer_frees_within_the_bound(fleet: dict[str, Node]) 
     between D/2 and 2D/3 (drift-adjusted) after the kill, up to scheduling slack."""
     p1, d1 = fleet["P1"], fleet["D1"]
     _queue(p1, d1, "r4")
-    time.sleep(D)  # heartbeating for a whole lease: the lease now rests on renewals only
+    time.sleep(D + 0.5)  # a whole lease of renewals, then a kill half-way between two heartbeats
     assert not p1.seen("freed", id="r4")
     t_kill = time.monotonic()
     d1.signal(signal.SIGKILL)
