@@ -9,6 +9,7 @@ baselines report reads done to the pinner ranks of the heterogeneous-TP layout (
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from typing import assert_never
@@ -27,7 +28,7 @@ from .._events import (
     Rejected,
     Send,
 )
-from .._layout import tp_layout
+from .._layout import TpLayout, tp_layout
 from .._messages import AccessDone, HandshakeReply, Heartbeat
 from .._vllm_compat import encode_vllm_done, encode_vllm_heartbeat
 from ._prefill import _Prefill
@@ -39,6 +40,12 @@ __all__: list[str] = []
 _INF = math.inf
 _heappush = heapq.heappush
 _heappop = heapq.heappop
+
+
+@functools.cache
+def _layouts(pinner_ranks: int, accessor_ranks: int) -> tuple[TpLayout, ...]:
+    """`tp_layout` of every accessor rank (a handful of TP sizes: computed once each)."""
+    return tuple(tp_layout(pinner_ranks, accessor_ranks, r) for r in range(accessor_ranks))
 
 
 class _Decode(_Prefill):
@@ -308,8 +315,7 @@ class _Decode(_Prefill):
                     self._d_output(de, r, out)
             return
         # Baselines: tell the pinner ranks; the data is whatever the blocks hold now.
-        for r in range(de.tp):
-            layout = tp_layout(pe.tp, de.tp, r)
+        for layout in _layouts(pe.tp, de.tp):
             for pr in layout.targets:
                 self._send(de, pe.name, pr, encode_vllm_done(req.key, layout.expected), False)
         req.done_ranks = de.tp
