@@ -38,7 +38,7 @@ def emit(ev: str, **kw: Any) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", choices=["kv_producer", "kv_consumer"], required=True)
-    ap.add_argument("--connector", choices=["kvlease", "stock"], required=True)
+    ap.add_argument("--connector", choices=["kvlease", "stock", "kvlease-push", "stock-push"], required=True)
     ap.add_argument("--engine-id", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--extra", default="{}")
@@ -94,6 +94,10 @@ def main() -> None:
     extra = json.loads(args.extra)
     if args.connector == "kvlease":
         conn, module = "KvleaseNixlConnector", "kvlease.adapters.vllm"
+    elif args.connector == "kvlease-push":
+        conn, module = "KvleaseNixlPushConnector", "kvlease.adapters.vllm"
+    elif args.connector == "stock-push":
+        conn, module = "NixlPushConnector", None
     else:
         conn, module = "NixlConnector", None
 
@@ -270,6 +274,7 @@ def main() -> None:
                     live=None if drv is None or drv.pinner is None else drv.pinner.live_count,
                     tracked=None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
                     reqs_to_send=len(getattr(impl, "_reqs_to_send", {})),
+                    push=getattr(impl, "kvlease_push_counts", None),
                     prometheus=prom_kvlease(),
                 )
                 continue

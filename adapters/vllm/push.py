@@ -1,0 +1,524 @@
+"""vLLM 0.33.0's NIXL push connector (``NixlPushConnector``) with kvlease leases.
+
+Enabled with ``--kv-transfer-config '{"kv_connector": "KvleaseNixlPushConnector",
+"kv_connector_module_path": "kvlease.adapters.vllm", "kv_role": ..., "kv_connector_extra_config":
+{"kv_lease_duration": 30}}'``. In push mode the decoder (D) allocates destination blocks and
+registers them with the producer (P) in a ``PUSH_REG`` notification; P's ``nixl-push-writer``
+thread WRITEs P's blocks into them. Stock vLLM guards D's blocks only with a soft watchdog, so a
+WRITE that lands after D gave its blocks back corrupts another request. Here:
+
+- **D's destination blocks are under a kvlease push lease, D is the pinner.** D's scheduler
+  (`KvleasePushScheduler.update_state_after_alloc`) picks the lease id when it stages the
+  registration and puts the ticket in it (``reg["kvlease"]``, which a stock P ignores); the id
+  goes to every D worker in the connector metadata and each grants it (``push=True``) before
+  vLLM's writer sends the registration. A push lease is freed only after its expiry plus the
+  push guard ``G = max_access_time * (1 + rho)``. The pinner's `Free` reaches vLLM's scheduler as
+  the end of the receive: on the access-done (which P's WRITE carries in place of vLLM's
+  ``"id:count"``, so it arrives after the data) a finished load; on expiry a failed load, which
+  with ``kv_load_failure_policy="recompute"`` recomputes the prompt.
+- **P, the writer, is the accessor.** On a registration that carries a ticket, P's worker
+  tracks it (heartbeating D from then on: while its request waits and prefills), and WRITEs only
+  under the validity window (spec/PROTOCOL.md, section 6.2: a push WRITE starts only if
+  ``now + A_l <= valid_until``).
+- **P's source blocks keep vLLM's own pull-style lease** (``kv_lease_duration``, renewed by
+  D's stock ``HB:``, reaped by vLLM); see engines/vllm/README-section.md for what that leaves.
+
+**Threads.** kvlease's core is single-threaded, vLLM's writer thread is not the engine's. The
+`Driver` (with the `Pinner` or `Accessor`) lives on the engine's main thread and is pumped from
+``start_load_kv`` / ``get_transfer_results`` like the pull adapter's. The writer thread only
+reads and queues:
+
+1. ``PUSH_REG`` with a ticket: the writer marks the request *gated* and queues the registration
+   for the main thread, which ``track``s it (``push=True``).
+2. When vLLM's writer has matched P's finished blocks with the registration, the WRITE is
+   parked and handed to the main thread, which asks the accessor (``Driver.write`` →
+   ``begin_access``: allowed only when the window covers the access time). If allowed, the main
+   thread publishes the approval (the access-done to attach, and ``valid_until``) and gives the
+   WRITE back to the writer through vLLM's own ``_deferred_push_inbox``.
+3. The gate: each step the main thread publishes, per gated request, a snapshot of the
+   accessor's ``valid_until`` (``-inf`` once the lease is lost or the access ended). Before
+   posting **each** WRITE (``_xfer_blocks``) the writer checks ``now + A_l <= valid_until``
+   against that snapshot (one ``dict`` read, atomic in CPython). Validity only grows while the
+   lease lives, so a snapshot one step old only refuses more. A refused WRITE is never posted;
+   the main thread reports the access failed (the lease is given up; D frees its blocks at
+   expiry + G) and frees P's source blocks.
+4. The WRITE's notification is the access-done (vLLM's ``"id:count"`` swapped by the agent
+   wrapper), so D hears it only after the data landed; when vLLM reports the WRITE handles done
+   on the main thread, the transport reports the access finished to the driver.
+
+Notifications: the writer thread owns ``get_new_notifs`` in push mode. The agent wrapper gives
+the writer only ``PUSH_REG`` notifications and queues every other one, with its sender's agent
+name, for the main thread: kvlease frames and hellos go to the driver, stock ``HB:`` to vLLM's
+own ``_handle_heartbeat`` (P's source-block lease), and a stock P's ``"id:count"`` to the
+driver's vLLM-compat codec (it ends D's push lease as an access-done by request id).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from kvlease.transports import Driver, TransferFailed, new_session
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPushConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+from kvlease import (
+    AccessCompleted,
+    Accessor,
+    AccessStale,
+    EndReason,
+    Free,
+    LeaseLost,
+    LeaseTicket,
+    Pinner,
+    ProtocolError,
+    TrackedState,
+    is_native_frame,
+    is_sealed_frame,
+    tp_layout,
+)
+
+from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
+from ._settings import AdapterSettings, read_settings
+from ._transport import HELLO_MAGIC, ConnectorTransport
+from .connector import TICKET_KEY, _NotifSwap
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvleaseNixlPushConnector", "KvleasePushScheduler", "KvleasePushWorker"]
+
+log = logging.getLogger("kvlease.adapters.vllm")
+
+_NEG_INF = float("-inf")
+
+
+def _settings_of(vllm_config: VllmConfig) -> AdapterSettings:
+    ktc = vllm_config.kv_transfer_config
+    return read_settings(ktc.kv_connector_extra_config if ktc is not None else None)
+
+
+# -- scheduler side ------------------------------------------------------------------------------
+
+
+class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.kvlease_settings = _settings_of(vllm_config)
+        #: This decoder's pinner incarnation (push leases): every worker's `Pinner` takes it.
+        self.kvlease_incarnation = secrets.randbits(64)
+        self._kv_next_id = 1
+        self._kv_push_grants: dict[str, int] = {}
+
+    # decoder: one push lease per registration, its ticket inside the registration
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        staged = req_id in self._push_pending_registrations
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        reg = self._push_pending_registrations.get(req_id)
+        if reg is None or staged:
+            return
+        lease_id = self._kv_next_id
+        self._kv_next_id += 1
+        self._kv_push_grants[req_id] = lease_id
+        reg[TICKET_KEY] = LeaseTicket(
+            engine_id=self.engine_id,
+            incarnation=self.kvlease_incarnation,
+            lease_id=lease_id,
+            ranks=self.transfer_tp_size,
+        ).to_dict()
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        meta.kvlease = {"incarnation": self.kvlease_incarnation, "push_grants": self._kv_push_grants}
+        self._kv_push_grants = {}
+        return meta
+
+
+# -- worker side ---------------------------------------------------------------------------------
+
+
+class _PushAgent(_NotifSwap):
+    """The agent as vLLM's push writer sees it: WRITE notifications swapped for kvlease's
+    access-done (`_NotifSwap`), and ``get_new_notifs`` returning only ``PUSH_REG``; every other
+    notification is queued, with its sender, for the engine's main thread."""
+
+    def __init__(self, agent: Any, table: dict[str, bytes], inbox: queue.SimpleQueue[tuple[str, bytes]]) -> None:
+        super().__init__(agent, table)
+        self._kvlease_inbox = inbox
+
+    def get_new_notifs(self) -> dict[Any, list[bytes]]:
+        regs: dict[Any, list[bytes]] = {}
+        for agent_name, notifs in self._kvlease_agent.get_new_notifs().items():
+            name = agent_name.decode() if isinstance(agent_name, bytes) else str(agent_name)
+            for notif in notifs:
+                data = bytes(notif)
+                if data.startswith(PUSH_REG_NOTIF_PREFIX):
+                    regs.setdefault(agent_name, []).append(data)
+                else:
+                    self._kvlease_inbox.put((name, data))
+        return regs
+
+
+class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
+    nixl_wrapper: Any
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.kvlease_settings = _settings_of(vllm_config)
+        role = vllm_config.kv_transfer_config.kv_role
+        #: Push: the decoder pins its destination blocks, the producer (the writer) accesses.
+        self._kv_pinner_role = role in ("kv_consumer", "kv_both")
+        self._kv_accessor_role = role in ("kv_producer", "kv_both")
+        self._kv_swap: dict[str, bytes] = {}  # decoder request id -> access-done for its WRITE
+        self._kv_inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self.nixl_wrapper = _PushAgent(self.nixl_wrapper, self._kv_swap, self._kv_inbox)
+        self._kv_engines: dict[str, dict[str, Any]] = {}
+        self.kvlease_transport = ConnectorTransport(
+            self.nixl_wrapper, engine_id, self.transfer_tp_rank, self._remote_agents, self._kv_handshake
+        )
+        self.kvlease_driver: Driver | None = None
+        self._kv_incarnation: int | None = None
+        self._kv_access_time = self.kvlease_settings.lease.access_time_local
+        # decoder (pinner): requests whose destination blocks are under a push lease
+        self._kv_granted: set[str] = set()
+        # producer (accessor), shared with the writer thread (see the module docstring):
+        self._kv_gated: set[str] = set()  # decoder request ids whose registration carries a ticket
+        self._kv_gate: dict[str, float] = {}  # decoder request id -> valid_until snapshot
+        self._kv_regs: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        self._kv_want: queue.SimpleQueue[tuple[str, Any, dict[str, Any]]] = queue.SimpleQueue()
+        self._kv_refused: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._kv_lock = threading.Lock()
+        self._kv_posted: dict[str, str] = {}  # producer request id -> decoder request id (WRITE posted)
+        # producer, main thread only:
+        self._kv_waiting: dict[str, tuple[str, Any, dict[str, Any]]] = {}  # WRITEs waiting for approval
+        self._kv_writing: set[str] = set()  # approved, the access is open in the accessor
+        self._kv_src_done: set[str] = set()  # producer requests whose WRITE will not happen
+        #: Counts for tests and operators: WRITEs posted under a lease / refused by the gate.
+        self.kvlease_push_counts = {"writes_posted": 0, "writes_refused": 0, "writes_dropped": 0}
+        self.xfer_stats = KvleaseConnectorStats()
+        self._kv_counted = dict.fromkeys(KVLEASE_COUNTERS, 0)
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _kv_ensure_driver(self, incarnation: int | None) -> Driver:
+        if self.kvlease_driver is not None:
+            return self.kvlease_driver
+        cfg = self.kvlease_settings.lease
+        pinner = None
+        if self._kv_pinner_role:
+            if incarnation is None:
+                raise RuntimeError("the kvlease scheduler did not send its incarnation")
+            pinner = Pinner(cfg, self.engine_id, incarnation, rank=self.transfer_tp_rank, ranks=self.transfer_tp_size)
+            self._kv_incarnation = incarnation
+        accessor = None
+        if self._kv_accessor_role:
+            accessor = Accessor(
+                cfg, self.engine_id, session=new_session(), rank=self.transfer_tp_rank, ranks=self.transfer_tp_size
+            )
+        s = self.kvlease_settings
+        self.kvlease_driver = Driver(
+            self.kvlease_transport,
+            pinner=pinner,
+            accessor=accessor,
+            engine_ttl=s.engine_ttl,
+            transfer_timeout=s.transfer_timeout,
+            vllm_compat=s.vllm_compat,
+        )
+        return self.kvlease_driver
+
+    def _kv_handshake(self, engine_id: str) -> Any:
+        info = self._kv_engines[engine_id]  # KeyError: no side channel known
+        return self._ensure_handshake(engine_id, info["host"], info["port"], info["tp_size"])
+
+    # -- main thread: per step ---------------------------------------------------------------
+
+    def start_load_kv(self, metadata: Any) -> None:
+        kv = getattr(metadata, "kvlease", None) or {}
+        driver = self._kv_ensure_driver(kv.get("incarnation"))
+        grants = kv.get("push_grants", {})
+        if grants and driver.pinner is not None:
+            if kv.get("incarnation") != self._kv_incarnation:
+                raise RuntimeError("the kvlease scheduler's incarnation changed under a running worker")
+            for req_id, lease_id in grants.items():
+                # Granted before vLLM's writer sends the registration (queued just below).
+                driver.grant(req_id, lease_id=lease_id, push=True)
+                self._kv_granted.add(req_id)
+        if driver.accessor is not None:
+            self._kv_pump(driver)
+        super().start_load_kv(metadata)
+
+    def _kv_pump(self, driver: Driver) -> None:
+        """Producer: track new registrations, approve parked WRITEs, publish the gate."""
+        accessor = driver.accessor
+        assert accessor is not None
+        while True:
+            try:
+                rid, reg = self._kv_regs.get_nowait()
+            except queue.Empty:
+                break
+            self._kv_track(driver, rid, reg)
+        while True:
+            try:
+                p_rid, blocks, reg = self._kv_want.get_nowait()
+            except queue.Empty:
+                break
+            self._kv_waiting[str(reg["request_id"])] = (p_rid, blocks, reg)
+        for rid in list(self._kv_waiting):
+            state = accessor.state_of(rid)
+            if state is None or state is TrackedState.LOST:
+                # Lost before the WRITE: never written; D frees its blocks at expiry + G.
+                p_rid, _blocks, _reg = self._kv_waiting.pop(rid)
+                self._kv_drop(rid, p_rid, "its push lease was lost before the WRITE")
+                continue
+            targets = tp_layout(self._kv_ranks(rid), self.transfer_tp_size, self.transfer_tp_rank).targets
+            into: Any = None if len(targets) == 1 else dict.fromkeys(targets)
+            self.kvlease_transport.expect(rid)
+            try:
+                decision = driver.write(rid, "kv", into)
+            finally:
+                self.kvlease_transport.expect(None)
+            if not decision.allowed:
+                continue  # not covered yet (no acknowledged heartbeat): asked again next step
+            notif = self.kvlease_transport.notification(rid)
+            if notif is not None:
+                self._kv_swap[rid] = notif
+            assert decision.valid_until is not None
+            self._kv_gate[rid] = float(decision.valid_until)
+            self._kv_writing.add(rid)
+            self._deferred_push_inbox.put(self._kv_waiting.pop(rid))
+            self._push_writer_wake.set()
+        # The gate's snapshot: valid_until while the access is open, -inf otherwise.
+        for rid in list(self._kv_gate):
+            state = accessor.state_of(rid)
+            v = accessor.valid_until(rid)
+            if rid in self._kv_writing and state is TrackedState.ACCESSING and v is not None:
+                self._kv_gate[rid] = float(v)
+            else:
+                self._kv_gate[rid] = _NEG_INF
+
+    def _kv_ranks(self, rid: str) -> int:
+        reg = self._kv_waiting[rid][2]
+        ticket = reg.get(TICKET_KEY) or {}
+        return int(ticket.get("ranks", 1))
+
+    def _kv_track(self, driver: Driver, rid: str, reg: dict[str, Any]) -> None:
+        try:
+            ticket = LeaseTicket.from_dict(reg[TICKET_KEY])
+        except (ProtocolError, KeyError) as exc:
+            # Gated without a lease: never written (D's own watchdog and lease end it).
+            log.warning("kvlease: registration %s carries a malformed push ticket (%s): not writing it", rid, exc)
+            return
+        host, port = reg.get("decode_host"), reg.get("decode_port")
+        self._kv_engines[ticket.engine_id] = {"host": host, "port": port, "tp_size": reg.get("decode_tp_size", 1)}
+        try:
+            driver.track(rid, ticket, address=f"{host}:{port}", push=True)
+        except ProtocolError as exc:
+            log.warning("kvlease: cannot track the push lease of %s (%s): not writing it", rid, exc)
+
+    def _kv_drop(self, rid: str, p_rid: str, why: str) -> None:
+        """Producer: `rid`'s WRITE will not happen; P's source blocks are freed (next step)."""
+        log.warning("kvlease: not writing %s (%s)", rid, why)
+        self.kvlease_push_counts["writes_dropped"] += 1
+        self._kv_forget(rid)
+        self._kv_src_done.add(p_rid)
+
+    def _kv_forget(self, rid: str) -> None:
+        self._kv_gate.pop(rid, None)
+        self._kv_swap.pop(rid, None)
+        self._kv_writing.discard(rid)
+        self._kv_gated.discard(rid)
+
+    # -- writer thread -----------------------------------------------------------------------
+
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        try:
+            reg = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX) :])
+        except Exception:
+            reg = None
+        if isinstance(reg, dict) and isinstance(reg.get("request_id"), str) and reg.get(TICKET_KEY) is not None:
+            # Gated before vLLM can match it: no WRITE for it without the main thread's approval.
+            self._kv_gated.add(reg["request_id"])
+            self._kv_regs.put((reg["request_id"], reg))
+        super()._handle_push_reg_notif(notif)
+
+    def _do_start_push_kv(self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]) -> None:
+        rid = registration_data.get("request_id")
+        if rid in self._kv_gated and rid not in self._kv_gate:
+            # Matched: park it until the accessor approves (the main thread re-queues it).
+            self._kv_want.put((request_id, local_block_ids, registration_data))
+            return
+        super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+
+    def _xfer_blocks(
+        self,
+        read_spec: Any,
+        dst_engine_id: str,
+        request_id: str,
+        remote_request_id: str,
+        local_xfer_side_handle: int,
+        remote_xfer_side_handle: int,
+    ) -> int | None:
+        if remote_request_id in self._kv_gated:
+            # The push guard (spec section 6.2), checked before posting each WRITE.
+            valid_until = self._kv_gate.get(remote_request_id, _NEG_INF)
+            if time.monotonic() + self._kv_access_time > valid_until:
+                self._kv_refused.put((request_id, remote_request_id))
+                return None
+        handle: int | None = super()._xfer_blocks(
+            read_spec,
+            dst_engine_id,
+            request_id,
+            remote_request_id,
+            local_xfer_side_handle,
+            remote_xfer_side_handle,
+        )
+        return handle
+
+    def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        super()._xfer_blocks_for_req(req_id, meta)
+        rid = meta.remote.request_id
+        if rid in self._kv_gated:
+            with self._sending_transfers_lock:
+                posted = bool(self._sending_transfers.get(req_id))
+            if posted:
+                with self._kv_lock:
+                    self._kv_posted[req_id] = rid
+
+    # -- main thread: notifications in, results out ------------------------------------------
+
+    def _get_new_notifs(self) -> set[str]:
+        feed = self.kvlease_transport.feed
+        while True:
+            try:
+                name, data = self._kv_inbox.get_nowait()
+            except queue.Empty:
+                break
+            if data.startswith(b"HB:"):
+                # D's stock heartbeat for P's source blocks: vLLM's own lease keeps those.
+                self._handle_heartbeat(data[3:].decode("utf-8", "replace"))
+                continue
+            if not self.kvlease_settings.vllm_compat and not (
+                is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)
+            ):
+                self.xfer_stats.record_notification_after_expiry()
+                continue
+            feed(name, data)
+        return set()
+
+    def get_transfer_results(self) -> Any:
+        res = super().get_transfer_results()
+        driver = self.kvlease_driver
+        if driver is None:
+            return res
+        transport = self.kvlease_transport
+        if driver.accessor is not None:
+            while True:
+                try:
+                    p_rid, rid = self._kv_refused.get_nowait()
+                except queue.Empty:
+                    break
+                self.kvlease_push_counts["writes_refused"] += 1
+                log.warning("kvlease: WRITE for %s not started: the validity window does not cover it", rid)
+                transport.complete(rid, False, "WRITE refused by the push guard")
+                self._kv_forget(rid)
+                self._kv_src_done.add(p_rid)
+            with self._sending_transfers_lock, self._kv_lock:
+                finished = [(p, r) for p, r in self._kv_posted.items() if p not in self._sending_transfers]
+                for p, _r in finished:
+                    del self._kv_posted[p]
+            for p_rid, rid in finished:
+                self.kvlease_push_counts["writes_posted"] += 1
+                ok = p_rid in res.finished_sending
+                transport.complete(rid, ok, "" if ok else "vLLM reported the WRITE failed")
+                self._kv_writing.discard(rid)
+            for p_rid in self._kv_src_done:
+                # P's source blocks of a WRITE that will not happen: freed as vLLM frees them.
+                self._reqs_to_send.pop(p_rid, None)
+                self._reqs_to_process.discard(p_rid)
+                self._evict_finished_inbox.put(p_rid)
+                res.finished_sending.add(p_rid)
+            self._kv_src_done.clear()
+        for ev in driver.step():
+            if isinstance(ev, Free):
+                if ev.key in self._kv_granted:
+                    self._kv_granted.discard(ev.key)
+                    if ev.reason is EndReason.ACCESS_DONE:
+                        # The access-done came after P's WRITE landed: vLLM's "done" marker.
+                        self._recving_transfers.setdefault(ev.key, [])
+                    else:
+                        self.xfer_stats.record_kv_expired_req()
+                        log.warning(
+                            "kvlease: push lease of %s ended (%s) without a completed WRITE: a failed load",
+                            ev.key,
+                            ev.reason.name,
+                        )
+                        self._handle_failed_transfer(ev.key, None, self._recv_failures, record_failed_transfer=False)
+            elif isinstance(ev, AccessCompleted):
+                self._kv_forget(ev.key)
+            elif isinstance(ev, AccessStale | LeaseLost | TransferFailed):
+                self._kv_forget(ev.key)
+        if driver.accessor is not None:
+            self._kv_pump(driver)
+        self._kv_record_stats(driver)
+        return res
+
+    def _kv_record_stats(self, driver: Driver) -> None:
+        stats = driver.stats
+        deltas = {}
+        for name, seen in self._kv_counted.items():
+            now = getattr(stats, name)
+            if now != seen:
+                deltas[name] = now - seen
+                self._kv_counted[name] = now
+        if deltas:
+            self.xfer_stats.record_kvlease(deltas)
+
+
+# -- the connector -------------------------------------------------------------------------------
+
+
+class KvleaseNixlPushConnector(NixlPushConnector):  # type: ignore[misc]
+    """vLLM's push-mode NIXL connector (``NixlPushConnector``) with kvlease push leases."""
+
+    connector_scheduler: KvleasePushScheduler | None
+    connector_worker: KvleasePushWorker | None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvleaseConnectorStats:
+        return KvleaseConnectorStats(data=data) if data is not None else KvleaseConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvleasePromMetrics:
+        return KvleasePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        _settings_of(vllm_config)  # a bad value fails here, naming the key
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
+        # NixlPushConnector.__init__ would build vLLM's own scheduler or worker: skip to the base.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvleasePushScheduler(vllm_config, self.engine_id, kv_cache_config)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvleasePushWorker(vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"Unsupported KVConnectorRole: {role}")

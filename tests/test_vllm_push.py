@@ -1,0 +1,175 @@
+"""kvlease inside vLLM 0.33.0 (push mode, ``NixlPushConnector``): real vLLM schedulers, connectors
+built by vLLM's factory, vLLM's CPU KV-cache allocation and model-runner mixin, vLLM's own push
+writer thread, and NIXL WRITEs between two processes.
+
+One pair for the module: P a kvlease push producer and D a kvlease push decoder. D registers its
+destination blocks with P (vLLM's ``PUSH_REG``, carrying D's push-lease ticket); P's writer
+WRITEs into them. P runs one sequence at a time, so a plain local request ("blocker") keeps a
+prefill queued on P (P heartbeating D's push lease meanwhile) for as long as a scenario needs.
+Only the model forward is faked: P writes a per-request pattern into the blocks it prefills and
+D checks it in the blocks vLLM loaded for it. The scenarios run in order (P is SIGKILLed last).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _vllm_helpers import Node, PortTaken, require_vllm_env
+
+pytestmark = pytest.mark.slow
+
+#: Short leases (heartbeat every D/6 = 1 s, each extending by 2D/3 = 4 s); not shorter, as a
+#: loaded 2-core machine can stall a process for more than D/2 (see test_vllm_adapter.py).
+D = 6.0
+MAX_ACCESS = 1.0  # max_access_time: the push guard G = A * (1 + rho)
+EXTRA = {"kv_lease_duration": D, "max_access_time": MAX_ACCESS}
+RHO = 1e-4  # max_drift_rate (default)
+G = MAX_ACCESS * (1 + RHO)
+SLACK = 1.0  # scheduling slack of a step loop on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[dict[str, Node]]:
+    require_vllm_env()
+    specs: dict[str, dict[str, Any]] = {
+        "P": dict(
+            role="kv_producer",
+            connector="kvlease-push",
+            extra=EXTRA,
+            max_num_seqs=1,
+            bad_config={"kv_lease_duration": D, "max_access_time": -2},
+        ),
+        "D": dict(role="kv_consumer", connector="kvlease-push", extra=EXTRA),
+    }
+    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
+    try:
+        for name in specs:
+            for attempt in range(3):
+                try:
+                    nodes[name].wait("ready", timeout=240)
+                    break
+                except PortTaken:
+                    if attempt == 2:
+                        raise
+                    nodes[name].close()
+                    nodes[name] = Node(name, **specs[name])
+        yield nodes
+    finally:
+        for n in nodes.values():
+            n.close()
+
+
+def _register(p: Node, d: Node, rid: str) -> None:
+    """D takes `rid` for decode with P's coordinates (as a push router does): D allocates the
+    destination blocks and registers them with P."""
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": p.name,
+        "remote_request_id": rid,
+        "remote_host": "127.0.0.1",
+        "remote_port": p.port,
+        "tp_size": 1,
+    }
+    d.send(op="decode", id=rid, params=params)
+    d.wait("added", 30, id=rid)
+
+
+def _block_p(p: Node, rid: str) -> None:
+    p.send(op="local", id=f"{rid}-blocker", max_tokens=1_000_000)
+    p.wait("scheduled", 30, id=f"{rid}-blocker")
+
+
+def _unblock_p(p: Node, rid: str) -> None:
+    p.send(op="abort", id=f"{rid}-blocker")
+
+
+def _push(p: Node) -> dict[str, int]:
+    return p.stats()["push"]  # type: ignore[no-any-return]
+
+
+def test_push_connectors_come_from_vllms_factory(pair: dict[str, Node]) -> None:
+    for name in ("P", "D"):
+        ready = pair[name].wait("ready")
+        assert ready["scheduler_impl"] == "KvleasePushScheduler"
+        assert ready["worker_impl"] == "KvleasePushWorker"
+    err = pair["P"].wait("bad_config")["error"]
+    assert err is not None and "max_access_time" in err
+
+
+def test_push_writes_into_the_decoders_blocks_under_its_lease(pair: dict[str, Node]) -> None:
+    """D registers w1; P's prefill of w1 waits 1.5 leases behind a blocker (P heartbeats D's push
+    lease all along: D keeps the blocks past the initial lease), then P's writer WRITEs its
+    blocks into D's: the contents match, D's lease ends completed (the access-done rode on the
+    WRITE), and P frees its source blocks."""
+    p, d = pair["P"], pair["D"]
+    before = d.stats()["counters"]
+    _block_p(p, "w1")
+    _register(p, d, "w1")
+    p.send(op="prefill", id="w1")
+    time.sleep(1.5 * D)
+    assert not d.seen("recv_done", id="w1"), "D gave the blocks up while P was heartbeating"
+    _unblock_p(p, "w1")
+    done = d.wait("recv_done", 60, id="w1")
+    assert done["failed"] is False and done["match"] is True
+    p.wait("freed", 30, id="w1")
+    d.wait("finished", 30, id="w1")
+    after = d.stats()["counters"]
+    assert after["completed"] == before["completed"] + 1
+    assert after["expired"] == before["expired"]
+    assert after["renewed"] >= before["renewed"] + 3, "P's heartbeats renewed D's push lease"
+    assert _push(p)["writes_posted"] >= 1
+
+
+def test_write_not_covered_by_the_window_is_never_started(pair: dict[str, Node]) -> None:
+    """D is frozen (SIGSTOP) while P's prefill of g1 waits: P's heartbeats go unanswered, its
+    validity window runs out. P's prefill then finishes and vLLM's writer matches the
+    registration, but the WRITE is not covered: it is never posted (P's counts), P frees its
+    source blocks, and D, resumed, ends the push lease on expiry + G: a failed load, recomputed."""
+    p, d = pair["P"], pair["D"]
+    base = _push(p)
+    _block_p(p, "g1")
+    _register(p, d, "g1")
+    p.send(op="prefill", id="g1")
+    time.sleep(2 * D / 6)  # the lease is live (a few heartbeats)
+    d.signal(signal.SIGSTOP)
+    try:
+        time.sleep(2 * D / 3 + SLACK)  # past the last acknowledged extension
+        _unblock_p(p, "g1")
+        p.wait("freed", 30, id="g1")  # the WRITE will not happen: P's source blocks go
+    finally:
+        d.signal(signal.SIGCONT)
+    counts = _push(p)
+    assert counts["writes_posted"] == base["writes_posted"], "a WRITE was posted outside the validity window"
+    assert counts["writes_dropped"] + counts["writes_refused"] > base["writes_dropped"] + base["writes_refused"]
+    done = d.wait("recv_done", 60, id="g1")
+    assert done["failed"] is True and done["match"] is None
+    again = d.wait("scheduled", 60, id="g1")
+    assert again["num_computed_tokens"] == 0, "the prompt is recomputed locally"
+
+
+def test_decoder_frees_a_dead_producers_destination_blocks_within_the_bound(pair: dict[str, Node]) -> None:
+    """SIGKILL P while its prefill of k1 waits and heartbeats D: D frees k1's destination blocks
+    (a failed load) once the last renewal plus the push guard ran out: a renewal extends to
+    receipt + 2D/3 and one arrives every D/6, so between D/2 + G and 2D/3 + G (drift-adjusted)
+    after the kill, up to scheduling slack."""
+    p, d = pair["P"], pair["D"]
+    _block_p(p, "k1")
+    _register(p, d, "k1")
+    p.send(op="prefill", id="k1")
+    time.sleep(D + 0.5)  # a whole lease of renewals, then a kill half-way between two heartbeats
+    assert not d.seen("recv_done", id="k1")
+    t_kill = time.monotonic()
+    p.signal(signal.SIGKILL)
+    done = d.wait("recv_done", 4 * D, id="k1")
+    assert done["failed"] is True
+    delay = done["t"] - t_kill  # both CLOCK_MONOTONIC on this machine
+    upper = 2 * D / 3 * (1 + RHO) / (1 - RHO) + G
+    lower = D / 2 + G
+    print(f"push: D frees after producer SIGKILL: {delay:.3f} s (bound [{lower:.3f}, {upper:.3f}] s + {SLACK} s slack)")
+    assert lower - SLACK <= delay <= upper + SLACK
+    again = d.wait("scheduled", 60, id="k1")
+    assert again["num_computed_tokens"] == 0, "the prompt is recomputed locally"
