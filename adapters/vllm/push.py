@@ -193,8 +193,11 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         # decoder (pinner): requests whose destination blocks are under a push lease
         self._kv_granted: set[str] = set()
         # producer (accessor), shared with the writer thread (see the module docstring):
-        self._kv_gated: set[str] = set()  # decoder request ids whose registration carries a ticket
-        self._kv_gate: dict[str, float] = {}  # decoder request id -> valid_until snapshot
+        #: Approved WRITEs: decoder request id -> valid_until snapshot (-inf: no longer covered).
+        #: Published by the main thread only; a registration with a ticket is gated whether or
+        #: not it is here (absent: parked for approval, never written).
+        self._kv_gate: dict[str, float] = {}
+        self._kv_current: str | None = None  # writer thread: the gated request being written
         self._kv_regs: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
         self._kv_want: queue.SimpleQueue[tuple[str, Any, dict[str, Any]]] = queue.SimpleQueue()
         self._kv_refused: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
@@ -294,8 +297,8 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
             if notif is not None:
                 self._kv_swap[rid] = notif
             assert decision.valid_until is not None
-            self._kv_gate[rid] = float(decision.valid_until)
             self._kv_writing.add(rid)
+            self._kv_gate[rid] = float(decision.valid_until)
             self._deferred_push_inbox.put(self._kv_waiting.pop(rid))
             self._push_writer_wake.set()
         # The gate's snapshot: valid_until while the access is open, -inf otherwise.
@@ -333,11 +336,15 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         self._kv_forget(rid)
         self._kv_src_done.add(p_rid)
 
-    def _kv_forget(self, rid: str) -> None:
-        self._kv_gate.pop(rid, None)
+    def _kv_forget(self, rid: str, *, written: bool = False) -> None:
+        """The access of `rid` ended: its approval is withdrawn (-inf, so a WRITE the writer still
+        holds is refused), or dropped once nothing more of it can be written."""
+        if written:
+            self._kv_gate.pop(rid, None)
+        elif rid in self._kv_gate:
+            self._kv_gate[rid] = _NEG_INF
         self._kv_swap.pop(rid, None)
         self._kv_writing.discard(rid)
-        self._kv_gated.discard(rid)
 
     # -- writer thread -----------------------------------------------------------------------
 
@@ -347,18 +354,23 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         except Exception:
             reg = None
         if isinstance(reg, dict) and isinstance(reg.get("request_id"), str) and reg.get(TICKET_KEY) is not None:
-            # Gated before vLLM can match it: no WRITE for it without the main thread's approval.
-            self._kv_gated.add(reg["request_id"])
             self._kv_regs.put((reg["request_id"], reg))
         super()._handle_push_reg_notif(notif)
 
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]) -> None:
-        rid = registration_data.get("request_id")
-        if rid in self._kv_gated and rid not in self._kv_gate:
+        if registration_data.get(TICKET_KEY) is None:
+            super()._do_start_push_kv(request_id, local_block_ids, registration_data)  # a stock decoder
+            return
+        rid = str(registration_data.get("request_id"))
+        if rid not in self._kv_gate:
             # Matched: park it until the accessor approves (the main thread re-queues it).
             self._kv_want.put((request_id, local_block_ids, registration_data))
             return
-        super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+        self._kv_current = rid
+        try:
+            super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+        finally:
+            self._kv_current = None
 
     def _xfer_blocks(
         self,
@@ -369,7 +381,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         local_xfer_side_handle: int,
         remote_xfer_side_handle: int,
     ) -> int | None:
-        if remote_request_id in self._kv_gated:
+        if self._kv_current is not None:
             # The push guard (spec section 6.2), checked before posting each WRITE.
             valid_until = self._kv_gate.get(remote_request_id, _NEG_INF)
             if time.monotonic() + self._kv_access_time > valid_until:
@@ -387,8 +399,8 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
 
     def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
         super()._xfer_blocks_for_req(req_id, meta)
-        rid = meta.remote.request_id
-        if rid in self._kv_gated:
+        rid = self._kv_current
+        if rid is not None:
             with self._sending_transfers_lock:
                 posted = bool(self._sending_transfers.get(req_id))
             if posted:
@@ -431,7 +443,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
                 self.kvlease_push_counts["writes_refused"] += 1
                 log.warning("kvlease: WRITE for %s not started: the validity window does not cover it", rid)
                 transport.complete(rid, False, "WRITE refused by the push guard")
-                self._kv_forget(rid)
+                self._kv_forget(rid, written=True)
                 self._kv_src_done.add(p_rid)
             with self._sending_transfers_lock, self._kv_lock:
                 finished = [(p, r) for p, r in self._kv_posted.items() if p not in self._sending_transfers]
@@ -465,7 +477,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
                         )
                         self._handle_failed_transfer(ev.key, None, self._recv_failures, record_failed_transfer=False)
             elif isinstance(ev, AccessCompleted):
-                self._kv_forget(ev.key)
+                self._kv_forget(ev.key, written=True)
             elif isinstance(ev, AccessStale | LeaseLost | TransferFailed):
                 self._kv_forget(ev.key)
         if driver.accessor is not None:
