@@ -2,9 +2,10 @@
 
 Run as ``python -m kvlease.cli._demo_proc SPEC_JSON`` (a `ChildSpec`: role, scenario, lease,
 pool). Each process is an engine worker in miniature, on the child-process harness
-(`kvlease.cli._child`: its worker loop, event lines and transport factory): a `kvlease.transports.Driver` over a real transport (`ZmqTransport` by default,
-`NixlTransport` with ``--transport nixl``: registered tensors, real NIXL READs) stepped from a
-loop as an engine's forward loop would, so the demo runs exactly the code an engine would. The
+(`kvlease.cli._child`: its worker loop, event lines and transport factory): a
+`kvlease.transports.Driver` over a real transport (`ZmqTransport` by default, `NixlTransport`
+with ``--transport nixl``: registered tensors, real NIXL READs) stepped from a loop as an
+engine's forward loop would, so the demo runs exactly the code an engine would. The
 driver's clock is the process's monotonic clock shifted by a random epoch (so P's and D's
 clocks disagree by hours, as unrelated hosts' monotonic clocks do).
 
