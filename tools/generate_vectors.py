@@ -722,7 +722,7 @@ def rejections_and_misuse() -> Recorder:
         {"P": 50.0, "D": 60.0},
     )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
-    wrong = HeartbeatAck("decode-0", 0, 1, 0, 0xD, 1, PeerTime(1.0), PeerTime(1.0), 0)
+    wrong = HeartbeatAck("decode-0", 0, 1, 0, 0xD, 1, LocalTime(1.0), PeerTime(1.0), 0)
     assert only(r.at(0.5).step("P", "receive", hex=encode(wrong).hex()), "Rejected")["engine_id"] == "decode-0"
     future = Handshake("decode-0", 0, 1, 0xD, 7, 7, 1, LocalTime(60.5))
     resp = r.at(0.5).step(
@@ -752,7 +752,7 @@ def rejections_and_misuse() -> Recorder:
     assert only(rej, "Rejected")
     hb = Heartbeat("decode-0", 0, 1, 0xD, 0x5EED000E, 1, LocalTime(61.0), (1,))
     assert only(r.at(0.9 + 0.2).step("D", "receive", hex=encode(hb).hex()), "Rejected")
-    alien = HeartbeatAck("prefill-0", 0, 0x5EED000E, 0, 0xE, 1, PeerTime(61.0), PeerTime(51.0), 1)
+    alien = HeartbeatAck("prefill-0", 0, 0x5EED000E, 0, 0xE, 1, LocalTime(61.0), PeerTime(51.0), 1)
     note = "an ack addressed to another session"
     assert only(r.at(1.2).step("D", "receive", hex=encode(alien).hex(), note=note), "Rejected")
     forged = AccessDoneAck("prefill-0", 0, 0x5EED000E, 0, 0xD, 1, 99, AccessOutcome.OK)
@@ -1148,7 +1148,7 @@ def codec_cases() -> JSONDict:
                 1,
                 0xACCE55,
                 1,
-                PeerTime(98333.25),
+                LocalTime(98333.25),
                 PeerTime(14021.875),
                 PeerTime(14021.875),
             ),
@@ -1166,7 +1166,7 @@ def codec_cases() -> JSONDict:
                 0,
                 0xACCE55,
                 3,
-                PeerTime(98334.0),
+                LocalTime(98334.0),
                 PeerTime(14022.5),
                 2,
                 (7,),
