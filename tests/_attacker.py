@@ -100,7 +100,7 @@ def _forgeries(plan: dict[str, Any], rnd: int, incarnation: int) -> list[bytes]:
             for seq in plan.get("seqs", range(1, 6)):
                 msgs.append(
                     HeartbeatAck(
-                        pinner, 0, incarnation, 0, session, seq, PeerTime(now - 0.01), PeerTime(now), 0, expired=ids
+                        pinner, 0, incarnation, 0, session, seq, LocalTime(now - 0.01), PeerTime(now), 0, expired=ids
                     )
                 )
         if "handshake_reply" in kinds:
@@ -116,7 +116,7 @@ def _forgeries(plan: dict[str, Any], rnd: int, incarnation: int) -> list[bytes]:
                     0,
                     session,
                     1,
-                    PeerTime(now - 0.01),
+                    LocalTime(now - 0.01),
                     PeerTime(now),
                     PeerTime(now),
                 )
