@@ -240,7 +240,7 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         to_p.append(Release("D", 0, 1, s0, inc, tuple(ids)))
         to_p += [Heartbeat("D", 0, 1, s0, inc, q, LocalTime(t0 + q % 97), tuple(ids)) for q in seqs]
         to_d: list[Message] = [
-            HeartbeatAck("P", 0, inc, 0, s0, q, PeerTime(t0 + q), PeerTime(t0 + q), 0, expired=tuple(ids))
+            HeartbeatAck("P", 0, inc, 0, s0, q, LocalTime(t0 + q), PeerTime(t0 + q), 0, expired=tuple(ids))
             for q in seqs[:3]
         ]
         to_d.append(
@@ -255,7 +255,7 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
                 0,
                 s0,
                 1,
-                PeerTime(t0),
+                LocalTime(t0),
                 PeerTime(t0),
                 PeerTime(t0),
             )
