@@ -187,6 +187,33 @@ def main() -> None:
 
             impl.nixl_wrapper.send_notif = send_notif
             impl._ensure_handshake = ensure
+        # Push: every WRITE vLLM's writer thread posts, counted at the NIXL agent (per the
+        # decoder request id of vLLM's "id:count" notification, before kvlease swaps it), so
+        # the tests see what was posted independently of the adapter's own bookkeeping.
+        writes_posted: dict[str, int] = {}
+        impl0 = getattr(worker, "connector_worker", None)
+        if args.connector.endswith("-push") and impl0 is not None:
+            agent0 = impl0.nixl_wrapper
+            real_prep = agent0.make_prepped_xfer
+            xfer_op: dict[int, str] = {}
+
+            def make_prepped_xfer(op: Any, *a: Any, **k: Any) -> Any:
+                h = real_prep(op, *a, **k)
+                notif = k.get("notif_msg", a[4] if len(a) > 4 else b"")
+                if op == "WRITE":
+                    xfer_op[h] = bytes(notif).decode("utf-8", "replace").rpartition(":")[0]
+                return h
+
+            real_transfer = agent0.transfer
+
+            def transfer(h: Any, *a: Any, **k: Any) -> Any:
+                rid = xfer_op.pop(h, None)
+                if rid is not None:
+                    writes_posted[rid] = writes_posted.get(rid, 0) + 1
+                return real_transfer(h, *a, **k)
+
+            agent0.make_prepped_xfer = make_prepped_xfer
+            agent0.transfer = transfer
         scheduler = Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
@@ -275,6 +302,7 @@ def main() -> None:
                     tracked=None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
                     reqs_to_send=len(getattr(impl, "_reqs_to_send", {})),
                     push=getattr(impl, "kvlease_push_counts", None),
+                    writes_posted=dict(writes_posted),
                     prometheus=prom_kvlease(),
                 )
                 continue
