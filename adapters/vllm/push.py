@@ -62,7 +62,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
+import msgpack
 from kvlease.transports import Driver, TransferFailed, new_session
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPushConnector
@@ -350,7 +350,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
 
     def _handle_push_reg_notif(self, notif: bytes) -> None:
         try:
-            reg = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX) :])
+            reg = msgpack.unpackb(notif[len(PUSH_REG_NOTIF_PREFIX) :], raw=False)
         except Exception:
             reg = None
         if isinstance(reg, dict) and isinstance(reg.get("request_id"), str) and reg.get(TICKET_KEY) is not None:
