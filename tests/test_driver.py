@@ -587,3 +587,30 @@ async def test_idle_run_backs_off_polling_a_transport_without_descriptors() -> N
         await asyncio.wait_for(task, 5.0)
         raw.close(0)
         inner.close()
+
+
+@pytest.mark.asyncio
+async def test_an_engine_call_wakes_a_sleeping_run() -> None:
+    """`run()` sleeps on the sockets it knows until the next deadline; an engine call (here
+    `track`, which opens a socket to a new pinner and brings a heartbeat deadline forward) wakes
+    it to re-plan. With a 60 s safety net, only that wake-up can make the lease acknowledged."""
+    cfg = CFG.with_changes(kv_lease_duration=60.0)
+    pt = ZmqTransport("P")
+    p = Driver(pt, pinner=Pinner(cfg, "P", 5))
+    d = Driver(ZmqTransport("D"), accessor=Accessor(cfg, "D", session=9))
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(x.run(stop, max_wait=60.0)) for x in (p, d)]
+    try:
+        await asyncio.sleep(0.3)  # both asleep: nothing is due for a minute
+        d.track("k", p.grant("k"), address=pt.address)
+        for _ in range(500):
+            if d.stats.heartbeat_acks_received >= 1:
+                break
+            await asyncio.sleep(0.01)
+        assert d.stats.heartbeat_acks_received >= 1
+        assert d.accessor is not None and d.accessor.valid_until("k") is not None
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+        p.close()
+        d.close()

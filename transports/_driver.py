@@ -240,6 +240,8 @@ class Driver:
         self._missing_seen = 0
         self._last_now = float("-inf")
         self._busy = False  # the last step had input or transfers in flight (for run's backoff)
+        #: Set while `run` sleeps: wakes it (thread-safe) when the engine calls the driver.
+        self._waker: Callable[[], object] | None = None
 
     # -- time -------------------------------------------------------------------------------
 
@@ -287,6 +289,7 @@ class Driver:
             self.now(), key, kind=kind, push=push, expected=expected, ttl=ttl, lease_id=lease_id, accessor=accessor
         )
         self.stats.leases_granted += 1
+        self._poke()
         if nbytes:
             self._pinned[ticket.lease_id] = nbytes
             self.stats.bytes_pinned += nbytes
@@ -401,6 +404,7 @@ class Driver:
             self._peer(engine_id).sent(now)
         if not acc.handles:
             self._finish_access(now, acc)
+        self._poke()
         return decision
 
     # -- the step ---------------------------------------------------------------------------
@@ -498,31 +502,33 @@ class Driver:
                     delay = max(0.0, min(delay, d - self.now()))
                 if delay <= 0.0 or (pollable is not None and pollable.ready()):
                     await asyncio.sleep(0)  # work now; let the rest of the loop run first
-                elif pollable is None:
-                    await asyncio.sleep(delay)
                 else:
-                    await self._wait_readable(loop, pollable, delay, stopping)
+                    fds = list(pollable.wait_fds()) if pollable is not None else []
+                    await self._sleep(loop, fds, delay, stopping)
         finally:
             if stopping is not None:
                 stopping.cancel()
 
-    @staticmethod
-    async def _wait_readable(
-        loop: asyncio.AbstractEventLoop, tr: Pollable, delay: float, stopping: asyncio.Future[Any] | None
+    async def _sleep(
+        self, loop: asyncio.AbstractEventLoop, fds: list[int], delay: float, stopping: asyncio.Future[Any] | None
     ) -> None:
+        """Sleep up to `delay`, until one of `fds` is readable, `stopping` is done, or the
+        engine calls the driver (a grant, track, read, ... may bring a deadline forward or open
+        a socket this sleep does not watch)."""
         woken: asyncio.Future[None] = loop.create_future()
 
         def wake() -> None:
             if not woken.done():
                 woken.set_result(None)
 
-        fds = list(tr.wait_fds())
         for fd in fds:
             loop.add_reader(fd, wake)
+        self._waker = lambda: loop.call_soon_threadsafe(wake)
         try:
             waits: set[asyncio.Future[Any]] = {woken} if stopping is None else {woken, stopping}
             await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._waker = None
             for fd in fds:
                 loop.remove_reader(fd)
             woken.cancel()
@@ -649,7 +655,14 @@ class Driver:
 
     # -- outputs ----------------------------------------------------------------------------
 
+    def _poke(self) -> None:
+        """An engine call while `run` sleeps: wake it to re-plan (deadlines, sockets)."""
+        waker = self._waker
+        if waker is not None:
+            waker()
+
     def _dispatch(self, now: LocalTime, outputs: tuple[Output, ...]) -> None:
+        self._poke()
         stats = self.stats
         for out in outputs:
             match out:
