@@ -152,6 +152,27 @@ def test_write_not_covered_by_the_window_is_never_started(pair: dict[str, Node])
     assert again["num_computed_tokens"] == 0, "the prompt is recomputed locally"
 
 
+def test_producer_abort_releases_the_decoders_push_lease(pair: dict[str, Node]) -> None:
+    """P aborts its prefill of a1 while it waits (D registered, P heartbeating): P releases D's
+    push lease instead of heartbeating it for as long as it runs; D ends it without a WRITE (a
+    failed load, recomputed) well before the lease could have run out on its own."""
+    p, d = pair["P"], pair["D"]
+    _block_p(p, "a1")
+    _register(p, d, "a1")
+    p.send(op="prefill", id="a1")
+    time.sleep(D / 2)  # heartbeating
+    t_abort = time.monotonic()
+    p.send(op="abort", id="a1")
+    done = d.wait("recv_done", 4 * D, id="a1")
+    assert done["failed"] is True and done["match"] is None
+    waited = done["t"] - t_abort
+    print(f"push: D ends the lease {waited:.3f} s after P's abort (a lease ran out after D/2 + G = {D / 2 + G:.2f} s)")
+    assert waited < D / 2 + G, "the release ended the lease, not its expiry"
+    assert "a1" not in p.stats()["writes_posted"]
+    assert d.wait("scheduled", 60, id="a1")["num_computed_tokens"] == 0
+    _unblock_p(p, "a1")
+
+
 def test_decoder_frees_a_dead_producers_destination_blocks_within_the_bound(pair: dict[str, Node]) -> None:
     """SIGKILL P while its prefill of k1 waits and heartbeats D: D frees k1's destination blocks
     (a failed load) once the last renewal plus the push guard ran out: a renewal extends to

@@ -69,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBase
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
 from kvlease import (
     AccessCompleted,
@@ -207,6 +208,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         self._kv_waiting: dict[str, tuple[str, Any, dict[str, Any]]] = {}  # WRITEs waiting for approval
         self._kv_writing: set[str] = set()  # approved, the access is open in the accessor
         self._kv_src_done: set[str] = set()  # producer requests whose WRITE will not happen
+        self._kv_tracked: dict[str, str] = {}  # base request id -> tracked decoder request id
         #: Counts for tests and operators: WRITEs posted under a lease / refused by the gate.
         self.kvlease_push_counts = {"writes_posted": 0, "writes_refused": 0, "writes_dropped": 0}
         self.xfer_stats = KvleaseConnectorStats()
@@ -259,6 +261,8 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
                 self._kv_granted.add(req_id)
         if driver.accessor is not None:
             self._kv_pump(driver)
+            for req_id in getattr(metadata, "reqs_not_processed", ()) or ():
+                self._kv_release(driver, req_id)
         super().start_load_kv(metadata)
 
     def _kv_pump(self, driver: Driver) -> None:
@@ -310,6 +314,19 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
             else:
                 self._kv_gate[rid] = _NEG_INF
 
+    def _kv_release(self, driver: Driver, p_rid: str) -> None:
+        """Producer: request `p_rid` ended without a prefill to push (aborted): release the
+        decoder's push lease, so the decoder fails the load at once instead of waiting for a
+        WRITE that will never come (P would otherwise heartbeat it for as long as it runs)."""
+        rid = self._kv_tracked.pop(get_base_request_id(p_rid), None)
+        if rid is None or rid in self._kv_waiting or rid in self._kv_writing:
+            return
+        assert driver.accessor is not None
+        if driver.accessor.state_of(rid) is TrackedState.WAITING:
+            log.info("kvlease: %s ended before its WRITE: releasing the decoder's push lease", p_rid)
+            driver.untrack(rid)
+            self._kv_forget(rid)
+
     def _kv_ranks(self, rid: str) -> int:
         reg = self._kv_waiting[rid][2]
         ticket = reg.get(TICKET_KEY) or {}
@@ -326,6 +343,8 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         self._kv_engines[ticket.engine_id] = {"host": host, "port": port, "tp_size": reg.get("decode_tp_size", 1)}
         try:
             driver.track(rid, ticket, address=f"{host}:{port}", push=True)
+            if len(self._kv_tracked) < 1 << 20:
+                self._kv_tracked[get_base_request_id(rid)] = rid
         except ProtocolError as exc:
             log.warning("kvlease: cannot track the push lease of %s (%s): not writing it", rid, exc)
 
@@ -478,8 +497,10 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
                         self._handle_failed_transfer(ev.key, None, self._recv_failures, record_failed_transfer=False)
             elif isinstance(ev, AccessCompleted):
                 self._kv_forget(ev.key, written=True)
+                self._kv_tracked.pop(get_base_request_id(ev.key), None)
             elif isinstance(ev, AccessStale | LeaseLost | TransferFailed):
                 self._kv_forget(ev.key)
+                self._kv_tracked.pop(get_base_request_id(ev.key), None)
         if driver.accessor is not None:
             self._kv_pump(driver)
         self._kv_record_stats(driver)
