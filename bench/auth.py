@@ -40,7 +40,7 @@ import timeit
 from collections.abc import Callable, Iterable
 
 from kvlease.transports import Driver
-from kvlease.transports.zmq_transport import ZmqTransport
+from kvlease.transports.zmq import ZmqTransport
 
 from kvlease import (
     AccessDone,

@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvlease.transports import Driver, Transport
-from kvlease.transports.zmq_transport import ZmqTransport
+from kvlease.transports.zmq import ZmqTransport
 
 from kvlease import Accessor, LeaseConfig, Pinner
 

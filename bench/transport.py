@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from kvlease.transports import Driver
-from kvlease.transports.zmq_transport import ZmqTransport
+from kvlease.transports.zmq import ZmqTransport
 
 from kvlease import (
     Accessor,

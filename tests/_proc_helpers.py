@@ -137,7 +137,7 @@ def _agent(config: dict[str, Any]) -> None:  # pragma: no cover - runs in the ch
     import random
 
     import attrs
-    from kvlease.transports import Driver, new_session  # type: ignore[import-not-found,unused-ignore]
+    from kvlease.transports import Driver, new_session
 
     import kvlease
 

@@ -165,7 +165,7 @@ def test_a_keyed_driver_drops_and_counts_what_is_not_sealed_with_its_key(monkeyp
     wrongly keyed frames and stock vLLM notifications are dropped and counted, with no
     exception, and the lease is untouched."""
     from kvlease.transports import Driver
-    from kvlease.transports.zmq_transport import ZmqTransport
+    from kvlease.transports.zmq import ZmqTransport
 
     monkeypatch.setenv("KVLEASE_TEST_KEY", K1.hex())
     cfg = LeaseConfig(kv_lease_duration=3.0, max_access_time=0.2, vllm_compat=True, auth_keys=("env:KVLEASE_TEST_KEY",))
@@ -204,7 +204,7 @@ def test_a_keyed_driver_drops_and_counts_what_is_not_sealed_with_its_key(monkeyp
 
 def test_an_unkeyed_driver_refuses_sealed_frames() -> None:
     from kvlease.transports import Driver
-    from kvlease.transports.zmq_transport import ZmqTransport
+    from kvlease.transports.zmq import ZmqTransport
 
     cfg = LeaseConfig(kv_lease_duration=3.0, max_access_time=0.2)
     p = Driver(ZmqTransport("P", bind="tcp://127.0.0.1:0"), pinner=Pinner(cfg, "P", 5), log_interval=60.0)

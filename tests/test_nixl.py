@@ -39,12 +39,12 @@ HERE = os.path.abspath(__file__)
 def _peer_main(role: str) -> None:  # pragma: no cover - runs in a child process
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import torch
-    from kvlease.transports._base import (  # type: ignore[import-not-found,unused-ignore]
+    from kvlease.transports._base import (
         PeerDead,
         PeerSuspect,
         TransferFailed,
     )
-    from kvlease.transports._driver import Driver, new_session  # type: ignore[import-not-found,unused-ignore]
+    from kvlease.transports._driver import Driver, new_session
 
     from kvlease import (
         AccessCompleted,

@@ -42,7 +42,7 @@ def test_a_lease_granted_for_a_known_accessor_has_no_unbound_window() -> None:
     """No key: ten forged AccessDone from an engine the pinner never saw, sent before the
     accessor's first heartbeat, free nothing when the grant named the accessor."""
     from kvlease.transports import Driver
-    from kvlease.transports.zmq_transport import ZmqTransport
+    from kvlease.transports.zmq import ZmqTransport
 
     p = Driver(ZmqTransport("P"), pinner=Pinner(CFG, "P", random.getrandbits(63)), log_interval=60.0)
     x = zmq.Context.instance().socket(zmq.DEALER)

@@ -3,7 +3,7 @@
 This package owns the I/O shell around the pure core: `Driver` (the only place kvlease reads a
 clock), the `Transport` contract every transport implements (`_base`), and the counters
 (`TransportStats`). Concrete transports load only when imported, behind extras:
-``kvlease.transports.zmq_transport`` (extra ``zmq``) and the NIXL transport (extra ``nixl``).
+``kvlease.transports.zmq`` (extra ``zmq``) and the NIXL transport (extra ``nixl``).
 Nothing here holds protocol logic; that is the core's.
 """
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..transports import Transport  # type: ignore[import-not-found,unused-ignore]
+from ..transports import Transport
 
 __all__ = ["ChildExited", "ChildProcess", "Commands", "emit", "make_transport", "serve"]
 
@@ -294,13 +294,13 @@ def make_transport(
     """A real transport by name: ``zmq`` (a `ZmqTransport` bound to `bind`) or ``nixl`` (a
     `NixlTransport` on loopback; `incarnation` is the pinner's, for its agent name)."""
     if kind == "nixl":
-        from ..transports.nixl import NixlTransport  # type: ignore[import-not-found,unused-ignore]
+        from ..transports.nixl import NixlTransport
 
         if incarnation is None:
-            return NixlTransport(engine_id, rank)  # type: ignore[no-any-return,unused-ignore]
-        return NixlTransport(engine_id, rank, incarnation=incarnation)  # type: ignore[no-any-return,unused-ignore]
+            return NixlTransport(engine_id, rank)
+        return NixlTransport(engine_id, rank, incarnation=incarnation)
     if kind == "zmq":
-        from ..transports.zmq_transport import ZmqTransport  # type: ignore[import-not-found,unused-ignore]
+        from ..transports.zmq import ZmqTransport
 
-        return ZmqTransport(engine_id, rank, bind=bind)  # type: ignore[no-any-return,unused-ignore]
+        return ZmqTransport(engine_id, rank, bind=bind)
     raise ValueError(f"unknown transport {kind!r}: expected 'zmq' or 'nixl'")

@@ -53,8 +53,8 @@ class _Metrics:
     """Per-role `TransportStats` mirrored from the children's reports, served over HTTP."""
 
     def __init__(self, port: int) -> None:
-        from ..transports._stats import TransportStats  # type: ignore[import-not-found,unused-ignore]
-        from ..transports.metrics import (  # type: ignore[import-not-found,unused-ignore]
+        from ..transports._stats import TransportStats
+        from ..transports.metrics import (
             LeaseStatsCollector,
             start_http_server,
         )

@@ -46,7 +46,7 @@ from kvlease import (
     Rejected,
 )
 
-from ..transports import (  # type: ignore[import-not-found,unused-ignore]
+from ..transports import (
     Driver,
     Inbound,
     PeerDead,
