@@ -87,7 +87,7 @@ def _median_us(fns: list[Callable[[], object]], repeats: int, target_s: float) -
     samples: list[list[float]] = [[] for _ in fns]
     for r in range(repeats):
         order = list(range(len(fns)))
-        order = order[r % len(order):] + order[: r % len(order)]
+        order = order[r % len(order) :] + order[: r % len(order)]
         for i in order:
             samples[i].append(timers[i].timeit(numbers[i]) / numbers[i] * 1e6)
     return [statistics.median(s) for s in samples]
@@ -124,8 +124,7 @@ def bench_messages(repeats: int, target_s: float) -> list[tuple[str, str, float,
     t = 86_400.125
     messages: list[tuple[str, Message]] = [
         ("Heartbeat (100 ids)", Heartbeat("decode-0", 0, 1, session, inc, 123_456, LocalTime(t), ids)),
-        ("HeartbeatAck", HeartbeatAck("prefill-0", 0, inc, 0, session, 123_456, PeerTime(t), PeerTime(t + 1e-3),
-                                      100)),
+        ("HeartbeatAck", HeartbeatAck("prefill-0", 0, inc, 0, session, 123_456, PeerTime(t), PeerTime(t + 1e-3), 100)),
         ("AccessDone", AccessDone("decode-0", 0, 1, session, inc, ids[0], 123_457, False, LocalTime(t))),
     ]
     out = []
@@ -223,8 +222,11 @@ class _DriverPair:
         self.name = name
         pt = ZmqTransport(f"P{name}", bind="tcp://127.0.0.1:0")
         self.p = Driver(pt, pinner=Pinner(cfg, f"P{name}", random.getrandbits(63)), log_interval=60.0)
-        self.d = Driver(ZmqTransport(f"D{name}", bind="tcp://127.0.0.1:0"),
-                        accessor=Accessor(cfg, f"D{name}", session=random.getrandbits(63)), log_interval=60.0)
+        self.d = Driver(
+            ZmqTransport(f"D{name}", bind="tcp://127.0.0.1:0"),
+            accessor=Accessor(cfg, f"D{name}", session=random.getrandbits(63)),
+            log_interval=60.0,
+        )
         for i in range(n_leases):
             self.d.track(f"r{i}", self.p.grant(f"r{i}"), address=pt.address)
         self.n_leases = n_leases
@@ -258,8 +260,10 @@ class _DriverPair:
             "heartbeats": ds.heartbeats_sent,
             "renewed": ps.leases_renewed,
             "lost_or_expired": ds.leases_lost + ps.leases_expired,
-            "refused": ps.unauthenticated_messages + ds.unauthenticated_messages
-            + ps.malformed_messages + ds.malformed_messages,
+            "refused": ps.unauthenticated_messages
+            + ds.unauthenticated_messages
+            + ps.malformed_messages
+            + ds.malformed_messages,
         }
 
     def close(self) -> None:
@@ -269,8 +273,10 @@ class _DriverPair:
 
 def bench_driver(n_leases: int, seconds: float) -> dict[str, dict[str, float]]:
     os.environ[KEY_ENV] = secrets.token_hex(32)
-    pairs = [_DriverPair("0", DRIVER_CFG, n_leases),
-             _DriverPair("1", DRIVER_CFG.with_changes(auth_keys=AUTH_SOURCES), n_leases)]
+    pairs = [
+        _DriverPair("0", DRIVER_CFG, n_leases),
+        _DriverPair("1", DRIVER_CFG.with_changes(auth_keys=AUTH_SOURCES), n_leases),
+    ]
     try:
         deadline = time.monotonic() + 30.0
         while not all(p.warm() for p in pairs):
@@ -332,38 +338,59 @@ def main(argv: list[str] | None = None) -> int:
     for what, unit in (("hb", "heartbeats"), ("ack", "acks")):
         a_n, b_n = plain_round[f"{what}_messages"], mac_round[f"{what}_messages"]
         a_b, b_b = plain_round[f"{what}_bytes"], mac_round[f"{what}_bytes"]
-        rows.append((f"1,000-lease round @1024 B: {unit}, msgs / bytes", f"{a_n} / {a_b:,}", f"{b_n} / {b_b:,}",
-                     f"{_ratio(a_n, b_n)} / {_ratio(a_b, b_b)}"))
+        rows.append(
+            (
+                f"1,000-lease round @1024 B: {unit}, msgs / bytes",
+                f"{a_n} / {a_b:,}",
+                f"{b_n} / {b_b:,}",
+                f"{_ratio(a_n, b_n)} / {_ratio(a_b, b_b)}",
+            )
+        )
     k = f"{args.leases // 1000}k" if args.leases % 1000 == 0 else f"{args.leases:,}"
     for side in ("pinner", "accessor"):
         a3 = [pl[f"{side}_{q}"] for q in ("mean", "median", "p99")]
         b3 = [mc[f"{side}_{q}"] for q in ("mean", "median", "p99")]
-        rows.append((f"{side} step, {k} leases: mean / median / p99, us", " / ".join(f"{x:.1f}" for x in a3),
-                     " / ".join(f"{x:.1f}" for x in b3),
-                     " / ".join(_ratio(a, b).rstrip("x") for a, b in zip(a3, b3, strict=True))))
+        rows.append(
+            (
+                f"{side} step, {k} leases: mean / median / p99, us",
+                " / ".join(f"{x:.1f}" for x in a3),
+                " / ".join(f"{x:.1f}" for x in b3),
+                " / ".join(_ratio(a, b).rstrip("x") for a, b in zip(a3, b3, strict=True)),
+            )
+        )
         a2 = [pl[f"{side}_busy_{q}"] for q in ("mean", "median")]
         b2 = [mc[f"{side}_busy_{q}"] for q in ("mean", "median")]
-        rows.append((f"{side} steps handling heartbeats/acks: mean / median, us", " / ".join(f"{x:.0f}" for x in a2),
-                     " / ".join(f"{x:.0f}" for x in b2),
-                     " / ".join(_ratio(a, b).rstrip("x") for a, b in zip(a2, b2, strict=True))))
+        rows.append(
+            (
+                f"{side} steps handling heartbeats/acks: mean / median, us",
+                " / ".join(f"{x:.0f}" for x in a2),
+                " / ".join(f"{x:.0f}" for x in b2),
+                " / ".join(_ratio(a, b).rstrip("x") for a, b in zip(a2, b2, strict=True)),
+            )
+        )
 
-    print(f"kvlease authentication benchmark (python {sys.version.split()[0]}); MAC = keyed BLAKE2b-128, "
-          f"16 B/frame")
+    print(f"kvlease authentication benchmark (python {sys.version.split()[0]}); MAC = keyed BLAKE2b-128, 16 B/frame")
     widths = [max(len(r[i]) for r in [*rows, ("figure", "no MAC", "with MAC", "MAC/no MAC")]) for i in range(4)]
-    print(f"| {'figure':<{widths[0]}} | {'no MAC':>{widths[1]}} | {'with MAC':>{widths[2]}} | "
-          f"{'MAC/no MAC':>{widths[3]}} |")
+    print(
+        f"| {'figure':<{widths[0]}} | {'no MAC':>{widths[1]}} | {'with MAC':>{widths[2]}} | "
+        f"{'MAC/no MAC':>{widths[3]}} |"
+    )
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:
         print(f"| {r[0]:<{widths[0]}} | {r[1]:>{widths[1]}} | {r[2]:>{widths[2]}} | {r[3]:>{widths[3]}} |")
     over = {s: mc[f"{s}_mean"] / pl[f"{s}_mean"] - 1.0 for s in ("pinner", "accessor")}
     met = all(v < 0.10 for v in over.values())
-    print(f"target < 10 % on the step (mean, both sides): pinner {over['pinner']:+.1%}, "
-          f"accessor {over['accessor']:+.1%} -> {'met' if met else 'NOT met'}")
-    print(f"({seconds:g} s interleaved, {int(pl['pinner_steps']):,} / {int(mc['pinner_steps']):,} step pairs; "
-          f"{int(pl['heartbeats']):,} / {int(mc['heartbeats']):,} heartbeats renewed {int(pl['renewed']):,} / "
-          f"{int(mc['renewed']):,} ids; lost/expired {int(pl['lost_or_expired'])} / {int(mc['lost_or_expired'])}, "
-          f"refused {int(pl['refused'])} / {int(mc['refused'])}, all must be 0; largest heartbeat "
-          f"{plain_round['hb_largest']} / {mac_round['hb_largest']} B)")
+    print(
+        f"target < 10 % on the step (mean, both sides): pinner {over['pinner']:+.1%}, "
+        f"accessor {over['accessor']:+.1%} -> {'met' if met else 'NOT met'}"
+    )
+    print(
+        f"({seconds:g} s interleaved, {int(pl['pinner_steps']):,} / {int(mc['pinner_steps']):,} step pairs; "
+        f"{int(pl['heartbeats']):,} / {int(mc['heartbeats']):,} heartbeats renewed {int(pl['renewed']):,} / "
+        f"{int(mc['renewed']):,} ids; lost/expired {int(pl['lost_or_expired'])} / {int(mc['lost_or_expired'])}, "
+        f"refused {int(pl['refused'])} / {int(mc['refused'])}, all must be 0; largest heartbeat "
+        f"{plain_round['hb_largest']} / {mac_round['hb_largest']} B)"
+    )
     return 0
 
 

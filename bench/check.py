@@ -33,13 +33,22 @@ def main() -> None:
     d = 5 if quick else 6
     groups: list[tuple[str, list[tuple[str, dict[str, object]]]]] = [
         ("depth", [(f"depth={k}", {"depth": k}) for k in range(3, (7 if quick else 9) + 1)]),
-        ("pinner/accessor ranks", [(f"p={p} a={a} depth={d - 1}", {"pinner_ranks": p, "accessor_ranks": a,
-                                                                   "depth": d - 1})
-                                   for p, a in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4))]),
+        (
+            "pinner/accessor ranks",
+            [
+                (f"p={p} a={a} depth={d - 1}", {"pinner_ranks": p, "accessor_ranks": a, "depth": d - 1})
+                for p, a in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4))
+            ],
+        ),
         ("accessor engines", [(f"engines={e} depth={d}", {"engines": e, "depth": d}) for e in (1, 2)]),
         ("leases", [(f"leases={n} depth={d}", {"leases": n, "depth": d}) for n in (1, 2, 3)]),
-        ("kinds", [(f"kinds={'+'.join(k)} depth={d}", {"kinds": k, "depth": d})
-                   for k in (("renewable",), ("fixed",), ("push",), ("renewable", "fixed", "push"))]),
+        (
+            "kinds",
+            [
+                (f"kinds={'+'.join(k)} depth={d}", {"kinds": k, "depth": d})
+                for k in (("renewable",), ("fixed",), ("push",), ("renewable", "fixed", "push"))
+            ],
+        ),
         ("replay history", [(f"history={h} depth={d}", {"history": h, "depth": d}) for h in (0, 2)]),
     ]
     print(f"{'scope':<36} {'states':>10} {'transitions':>12} {'wall s':>8} {'states/s':>9} {'growth':>7}")

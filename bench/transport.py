@@ -179,11 +179,17 @@ def main() -> None:
         ("heartbeat round trip, p99", f"{rt['rtt_p99_us']:.0f} us", ""),
         ("heartbeats acknowledged per second (pipelined)", f"{rt['heartbeats_per_s']:,.0f} /s", ""),
         ("accessor driver step, 10k tracked: mean", f"{st['accessor_step_mean_us']:.1f} us", "< 50 us"),
-        ("accessor driver step, 10k tracked: median / p99",
-         f"{st['accessor_step_median_us']:.1f} / {st['accessor_step_p99_us']:.0f} us", ""),
+        (
+            "accessor driver step, 10k tracked: median / p99",
+            f"{st['accessor_step_median_us']:.1f} / {st['accessor_step_p99_us']:.0f} us",
+            "",
+        ),
         ("pinner driver step, 10k leases: mean", f"{st['pinner_step_mean_us']:.1f} us", "< 50 us"),
-        ("pinner driver step, 10k leases: median / p99",
-         f"{st['pinner_step_median_us']:.1f} / {st['pinner_step_p99_us']:.0f} us", ""),
+        (
+            "pinner driver step, 10k leases: median / p99",
+            f"{st['pinner_step_median_us']:.1f} / {st['pinner_step_p99_us']:.0f} us",
+            "",
+        ),
     ]
     w = max(len(r[0]) for r in rows)
     print(f"{'ZMQ transport + driver':<{w}}  {'measured':>16}  target")

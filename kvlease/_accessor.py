@@ -101,8 +101,21 @@ class AccessDecision:
 
 class _Tracked:
     __slots__ = (
-        "attached_confirm", "attempt", "confirm_deadline", "confirm_pending", "early_verdicts", "engine", "held",
-        "incarnation", "key", "kind", "lease_id", "push", "state", "tracked_at", "valid_until",
+        "attached_confirm",
+        "attempt",
+        "confirm_deadline",
+        "confirm_pending",
+        "early_verdicts",
+        "engine",
+        "held",
+        "incarnation",
+        "key",
+        "kind",
+        "lease_id",
+        "push",
+        "state",
+        "tracked_at",
+        "valid_until",
     )
 
     def __init__(self, key: str, engine: _PinnerEngine, ticket: LeaseTicket, push: bool, now: float) -> None:
@@ -143,8 +156,19 @@ class _PinnerEngine:
     """What this accessor rank knows of one pinner engine."""
 
     __slots__ = (
-        "clock", "connected", "deadlines", "engine_id", "handshake_due", "handshakes", "incarnation", "leases",
-        "max_message_bytes", "new_ids", "next_heartbeat", "outstanding", "ranks",
+        "clock",
+        "connected",
+        "deadlines",
+        "engine_id",
+        "handshake_due",
+        "handshakes",
+        "incarnation",
+        "leases",
+        "max_message_bytes",
+        "new_ids",
+        "next_heartbeat",
+        "outstanding",
+        "ranks",
     )
 
     def __init__(self, engine_id: str, config: LeaseConfig, ranks: int) -> None:
@@ -520,8 +544,10 @@ class Accessor:
         if reply.version != PROTOCOL_VERSION:
             return (Rejected(reply.engine_id, f"pinner speaks version {reply.version}, we speak {PROTOCOL_VERSION}"),)
         if (
-            not reply.t_echo <= now or not reply.t_recv <= reply.t_send
-            or not -MAX_TIME <= reply.t_recv <= MAX_TIME or not -MAX_TIME <= reply.t_send <= MAX_TIME
+            not reply.t_echo <= now
+            or not reply.t_recv <= reply.t_send
+            or not -MAX_TIME <= reply.t_recv <= MAX_TIME
+            or not -MAX_TIME <= reply.t_send <= MAX_TIME
         ):
             return (Rejected(reply.engine_id, "handshake reply carries impossible timestamps"),)
         why = layout_error(reply.ranks, self.ranks, self.rank)
@@ -595,11 +621,15 @@ class Accessor:
             return (Rejected(ack.engine_id, f"heartbeat ack {ack.seq} does not account for the heartbeat's ids"),)
         # Usually all four lists are empty: skip building the loop then.
         lists = (
-            (LostReason.UNKNOWN, ack.unknown),
-            (LostReason.EXPIRED, ack.expired),
-            (LostReason.RELEASED, ack.released),
-            (None, ack.completed),
-        ) if listed else ()
+            (
+                (LostReason.UNKNOWN, ack.unknown),
+                (LostReason.EXPIRED, ack.expired),
+                (LostReason.RELEASED, ack.released),
+                (None, ack.completed),
+            )
+            if listed
+            else ()
+        )
         for reason, ids in lists:
             for lease_id in ids:
                 rec.missing.add(lease_id)
@@ -695,7 +725,13 @@ class Accessor:
         while len(eng.handshakes) > self.config.max_outstanding_heartbeats:
             eng.handshakes.popitem(last=False)
         return Handshake(
-            self.engine_id, self.rank, self.ranks, self.session, PROTOCOL_VERSION, int(ALL_CAPABILITIES), seq,
+            self.engine_id,
+            self.rank,
+            self.ranks,
+            self.session,
+            PROTOCOL_VERSION,
+            int(ALL_CAPABILITIES),
+            seq,
             LocalTime(now),
         )
 
@@ -705,7 +741,14 @@ class Accessor:
 
     def _access_done(self, t: _Tracked, confirm: bool, now: float) -> AccessDone:
         return AccessDone(
-            self.engine_id, self.rank, self.ranks, self.session, t.incarnation, t.lease_id, t.attempt, confirm,
+            self.engine_id,
+            self.rank,
+            self.ranks,
+            self.session,
+            t.incarnation,
+            t.lease_id,
+            t.attempt,
+            confirm,
             LocalTime(now),
         )
 

@@ -45,13 +45,18 @@ def _int_range(lo: int, hi: int) -> Any:
 
 def _key_sources() -> Any:
     def check(inst: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]) -> None:
-        ok = isinstance(value, tuple) and len(value) <= 2 and all(
-            isinstance(v, str) and (v.startswith("env:") or v.startswith("file:")) and len(v) > v.index(":") + 1
-            for v in value
+        ok = (
+            isinstance(value, tuple)
+            and len(value) <= 2
+            and all(
+                isinstance(v, str) and (v.startswith("env:") or v.startswith("file:")) and len(v) > v.index(":") + 1
+                for v in value
+            )
         )
         if not ok:
             raise ConfigError(
-                attribute.name, value,
+                attribute.name,
+                value,
                 "a tuple of at most two key sources, 'env:VARIABLE' or 'file:PATH' (the first signs, both verify)",
             )
 

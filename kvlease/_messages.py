@@ -231,7 +231,8 @@ class LeaseTicket:
             raise RemoteProtocolError(f"lease ticket ranks must be >= 1: {d!r}")
         if kind is LeaseKind.FIXED_TTL:
             if (
-                not isinstance(deadline, int | float) or isinstance(deadline, bool)
+                not isinstance(deadline, int | float)
+                or isinstance(deadline, bool)
                 or not -MAX_TIME <= deadline <= MAX_TIME
             ):
                 raise RemoteProtocolError(f"fixed-TTL lease ticket needs a finite deadline within +-2**32 s: {d!r}")

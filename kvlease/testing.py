@@ -44,7 +44,14 @@ from ._messages import AccessDone, Handshake, Heartbeat, LeaseKind, LeaseTicket,
 from ._pinner import LeaseState, Pinner
 
 __all__ = [
-    "FakeLink", "InvariantViolation", "LeaseRecord", "LinkProfile", "Mesh", "MeshAccess", "MeshMessage", "Pair",
+    "FakeLink",
+    "InvariantViolation",
+    "LeaseRecord",
+    "LinkProfile",
+    "Mesh",
+    "MeshAccess",
+    "MeshMessage",
+    "Pair",
     "PeerClock",
 ]
 
@@ -127,9 +134,7 @@ class FakeLink:
     is False (a partition) everything sent is lost.
     """
 
-    def __init__(
-        self, rng: random.Random, profile: LinkProfile | None = None, *, max_bytes: int | None = None
-    ) -> None:
+    def __init__(self, rng: random.Random, profile: LinkProfile | None = None, *, max_bytes: int | None = None) -> None:
         self.rng = rng
         self.profile = profile or LinkProfile()
         self.max_bytes = max_bytes
@@ -388,8 +393,11 @@ class Pair:
                     info = self.pinner.info(lid)
                     rec = self.leases.get(lid)
                     if (
-                        info is not None and info.state is LeaseState.ACTIVE and info.expiry > now_p
-                        and rec is not None and msg.seq > rec.last_hb_seq
+                        info is not None
+                        and info.state is LeaseState.ACTIVE
+                        and info.expiry > now_p
+                        and rec is not None
+                        and msg.seq > rec.last_hb_seq
                     ):
                         rec.last_hb_p = now_p
                         rec.last_hb_seq = msg.seq
@@ -406,9 +414,7 @@ class Pair:
                 # legitimately make a heartbeat due at once.
                 after = self.accessor.next_deadline()
                 if after is not None and after <= now_a:
-                    raise InvariantViolation(
-                        f"accessor next_deadline {after} <= now {now_a} after handle_timeout"
-                    )
+                    raise InvariantViolation(f"accessor next_deadline {after} <= now {now_a} after handle_timeout")
                 self._accessor_outputs(a_outputs)
         self.check()
 
@@ -533,9 +539,7 @@ class Pair:
                 raise InvariantViolation(f"pinner next_deadline {nd} is later than lease {lid}'s expiry {info.expiry}")
             if info.state is LeaseState.ACTIVE:
                 if info.expiry < rec.last_expiry_p:
-                    raise InvariantViolation(
-                        f"lease {lid} expiry moved earlier: {rec.last_expiry_p} -> {info.expiry}"
-                    )
+                    raise InvariantViolation(f"lease {lid} expiry moved earlier: {rec.last_expiry_p} -> {info.expiry}")
                 rec.last_expiry_p = info.expiry
         if not self.accessor_alive:
             return
@@ -704,7 +708,13 @@ class Mesh:
             assert decision.notification is not None
             lease_id = decision.notification.lease_id
             self.accesses[engine, rank, key] = MeshAccess(
-                engine, rank, key, lease_id, self.real, decision.targets, encode(decision.notification),
+                engine,
+                rank,
+                key,
+                lease_id,
+                self.real,
+                decision.targets,
+                encode(decision.notification),
                 decision.notification.attempt,
             )
         return decision
@@ -894,8 +904,10 @@ class Mesh:
             freed = self.frees.get((access.lease_id, q))
             # A free this very access's own access-done caused came after its data landed;
             # any other free at or before the access's end overlapped it.
-            if freed is not None and own not in self.done_heard.get((access.lease_id, q), set()) and (
-                freed[0] <= access.end + TIME_TOLERANCE
+            if (
+                freed is not None
+                and own not in self.done_heard.get((access.lease_id, q), set())
+                and (freed[0] <= access.end + TIME_TOLERANCE)
             ):
                 raise InvariantViolation(
                     f"stale read reported done: {engine}.{rank} read {ev.key!r} (lease {access.lease_id}) from "

@@ -13,7 +13,10 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if not p.name.sta
 
 def _kvlease(*args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvlease", *args], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "kvlease", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stderr

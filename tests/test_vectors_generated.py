@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_vectors_are_what_the_generator_makes() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "generate_vectors.py"), "--check"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     n = len(list((ROOT / "spec" / "vectors").glob("*.json")))

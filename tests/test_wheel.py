@@ -56,8 +56,9 @@ def test_the_installed_wheel_runs_what_the_readme_names(dist: Path, tmp_path: Pa
     # A clean environment: no source tree on the path, run from a directory that is not it.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = "/usr/bin:/bin"  # the venv is *not* activated, as a user would not have it
-    where = _run([str(py), "-c", "import kvlease, kvlease.spec; print(kvlease.__file__)"], cwd=tmp_path,
-                 timeout=60, env=env)
+    where = _run(
+        [str(py), "-c", "import kvlease, kvlease.spec; print(kvlease.__file__)"], cwd=tmp_path, timeout=60, env=env
+    )
     assert str(env_dir) in where and str(ROOT) not in where, where
 
     kv = str(env_dir / "bin" / "kvlease")

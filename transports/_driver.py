@@ -349,9 +349,7 @@ class Driver:
         must be exactly the ones the core targets (`AccessDecision.targets`)."""
         return self._access(key, "", {rank: (region, buf) for rank, region, buf in parts}, write=False, parts=True)
 
-    def _access(
-        self, key: str, region: str, bufs: object, *, write: bool, parts: bool = False
-    ) -> AccessDecision:
+    def _access(self, key: str, region: str, bufs: object, *, write: bool, parts: bool = False) -> AccessDecision:
         accessor = self._need_accessor()
         if key in self._accesses:
             return AccessDecision(False, False, None, "an access is already in flight")
@@ -580,8 +578,11 @@ class Driver:
         elif self.vllm_compat and self.pinner is not None:
             if self._auth is not None and not self.config.auth_allow_vllm_compat:
                 self.stats.unauthenticated_messages += 1
-                self._log(now, peer, "dropped a vLLM notification: it cannot be authenticated "
-                          "(set auth_allow_vllm_compat to accept it)")
+                self._log(
+                    now,
+                    peer,
+                    "dropped a vLLM notification: it cannot be authenticated (set auth_allow_vllm_compat to accept it)",
+                )
                 return
             self._on_vllm(now, peer, data)
         else:
@@ -773,7 +774,7 @@ class Driver:
         if p is None:
             if len(self._peers) >= _LOG_PEERS_MAX * 4:
                 # Bound the table against invented names: drop peers that are healthy.
-                for k in [k for k, v in self._peers.items() if v.unanswered_since is None][: _LOG_PEERS_MAX]:
+                for k in [k for k, v in self._peers.items() if v.unanswered_since is None][:_LOG_PEERS_MAX]:
                     del self._peers[k]
             p = self._peers[engine_id] = _Peer()
         return p
@@ -789,10 +790,7 @@ class Driver:
 
     def _check_liveness(self, now: LocalTime) -> None:
         ttl = self.engine_ttl
-        dead = [
-            e for e, p in self._peers.items()
-            if p.unanswered_since is not None and now - p.unanswered_since >= ttl
-        ]
+        dead = [e for e, p in self._peers.items() if p.unanswered_since is not None and now - p.unanswered_since >= ttl]
         for engine_id in dead:
             del self._peers[engine_id]
             self.stats.peers_dead += 1

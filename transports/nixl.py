@@ -461,8 +461,10 @@ class NixlTransport:
     def request_handshake(self, engine_id: str, address: str, data: bytes) -> None:
         request = self._hello("handshake", data)
         threading.Thread(
-            target=self._handshake_thread, args=(engine_id, address, request),
-            name=f"kvlease-nixl-handshake-{engine_id}", daemon=True,
+            target=self._handshake_thread,
+            args=(engine_id, address, request),
+            name=f"kvlease-nixl-handshake-{engine_id}",
+            daemon=True,
         ).start()
 
     def _handshake_thread(self, engine_id: str, address: str, request: dict[str, Any]) -> None:
@@ -685,14 +687,16 @@ class NixlTransport:
         self._answer_hello(conn)
 
     def _answer_hello(self, conn: _SideConn) -> None:
-        conn.outbuf = _frame({
-            "v": SIDE_VERSION,
-            "engine_id": self._engine_id,
-            "rank": self._rank,
-            "agent": self.agent_name,
-            "metadata": self._agent.get_agent_metadata(),
-            "regions": self._layout(),
-        })
+        conn.outbuf = _frame(
+            {
+                "v": SIDE_VERSION,
+                "engine_id": self._engine_id,
+                "rank": self._rank,
+                "agent": self.agent_name,
+                "metadata": self._agent.get_agent_metadata(),
+                "regions": self._layout(),
+            }
+        )
         self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
 
     def reject_handshake(self, token: int) -> None:
@@ -734,8 +738,10 @@ class NixlTransport:
         elif peer.address is not None and (engine_id, rank) not in self._layout_fetches:
             self._layout_fetches.add((engine_id, rank))
             threading.Thread(
-                target=self._layout_thread, args=(engine_id, rank, peer.address, self._hello("hello")),
-                name=f"kvlease-nixl-layout-{engine_id}", daemon=True,
+                target=self._layout_thread,
+                args=(engine_id, rank, peer.address, self._hello("hello")),
+                name=f"kvlease-nixl-layout-{engine_id}",
+                daemon=True,
             ).start()
         elif peer.address is None:
             self._finish(handle, x, f"region {region!r} unknown on {engine_id!r} rank {rank}")

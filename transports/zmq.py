@@ -417,8 +417,9 @@ class ZmqTransport:
     def unregister(self, region: str) -> None:
         self._regions.pop(region, None)
 
-    def _start(self, engine_id: str, rank: int, frames: list[bytes | memoryview], into: memoryview | None,
-               notif: bytes | None) -> int:
+    def _start(
+        self, engine_id: str, rank: int, frames: list[bytes | memoryview], into: memoryview | None, notif: bytes | None
+    ) -> int:
         h = self._next_handle
         self._next_handle += 1
         hb = h.to_bytes(8, "little")

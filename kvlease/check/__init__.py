@@ -19,6 +19,14 @@ from ._vector import to_vector
 from ._world import KINDS, Scope, Violation, World
 
 __all__ = [
-    "CHECK_BUGS", "KINDS", "CheckResult", "Counterexample", "Scope", "Violation", "World", "explore", "replay",
+    "CHECK_BUGS",
+    "KINDS",
+    "CheckResult",
+    "Counterexample",
+    "Scope",
+    "Violation",
+    "World",
+    "explore",
+    "replay",
     "to_vector",
 ]

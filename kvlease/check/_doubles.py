@@ -48,8 +48,11 @@ class UnboundAckAccessor(Accessor):
 #: name -> (pinner class, accessor class or factory, the hole it reopens)
 CHECK_BUGS: dict[str, tuple[Callable[..., Pinner], Callable[..., Accessor], str]] = {
     "retrack": (Pinner, ForgetfulAccessor, "re-track of a given-up ticket accepted"),
-    "wrong-rank": (NoRankCheckPinner, Accessor, "access-done / release from an accessor rank that does not "
-                   "access this pinner rank counted"),
+    "wrong-rank": (
+        NoRankCheckPinner,
+        Accessor,
+        "access-done / release from an accessor rank that does not access this pinner rank counted",
+    ),
     "unbound-handshake": (Pinner, UnboundHandshakeAccessor, "handshake reply not bound to the handshake it answers"),
     "unbound-ack": (Pinner, UnboundAckAccessor, "ack not bound to rank/session; seq reused after a disconnect"),
     "retry-failed-transfer": (Pinner, RetryAfterPostedFailureAccessor, "retry after a posted failed transfer"),

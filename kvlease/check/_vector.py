@@ -38,12 +38,17 @@ def to_vector(
         "to the same inputs. Schedule: " + " | ".join(line.split("  ", 1)[1] for line in cx.schedule)
     )
     vector = build_vector(
-        name, description, scope.config, world.endpoints(), world.record or [], engines=engines,
+        name,
+        description,
+        scope.config,
+        world.endpoints(),
+        world.record or [],
+        engines=engines,
         until=float("inf"),
     )
     vector["epochs"] = {
         **{name: world.epochs[0] for name, ep in world.endpoints().items() if ep["role"] == "pinner"},
-        **{f"{e}.{r}": world.epochs[1 + int(e.rsplit('-', 1)[1])] for e, r in world.accessors},
+        **{f"{e}.{r}": world.epochs[1 + int(e.rsplit("-", 1)[1])] for e, r in world.accessors},
     }
     vector["epochs_note"] = f"clock rates (pinner, accessor engines): {list(cx.rates)}"
     return vector

@@ -56,6 +56,8 @@ GEN = 1_000_000
 def glid(incarnation: int, lease_id: int) -> int:
     """The world's id of lease `lease_id` of pinner incarnation `incarnation`."""
     return lease_id + GEN * (incarnation - INCARNATION)
+
+
 #: How far before / after an instant that matters a time advance lands, real seconds. Far above
 #: float rounding at the epochs used (~1e5 s), far below every protocol timing.
 DELTA = 1e-5
@@ -75,7 +77,10 @@ KINDS = ("renewable", "fixed", "push")
 #: TTL, a 0.5 s access bound, a 1 % drift bound (large, so rate extremes matter) and the
 #: smallest validity margin the config allows.
 CHECK_CONFIG = LeaseConfig(
-    kv_lease_duration=6.0, max_access_time=0.5, decoder_kv_blocks_ttl=9.0, max_drift_rate=1e-2,
+    kv_lease_duration=6.0,
+    max_access_time=0.5,
+    decoder_kv_blocks_ttl=9.0,
+    max_drift_rate=1e-2,
     validity_margin=1e-3,
 )
 
@@ -216,11 +221,21 @@ class World:
         eps: dict[str, dict[str, Any]] = {}
         for g in range(len(self.restarted_at) + 1):
             for q in range(len(self.pinners)):
-                eps[_pname(q, g)] = {"role": "pinner", "engine_id": PINNER, "incarnation": INCARNATION + g, "rank": q,
-                                     "ranks": len(self.pinners)}
+                eps[_pname(q, g)] = {
+                    "role": "pinner",
+                    "engine_id": PINNER,
+                    "incarnation": INCARNATION + g,
+                    "rank": q,
+                    "ranks": len(self.pinners),
+                }
         for (e, r), acc in self.accessors.items():
-            eps[f"{e}.{r}"] = {"role": "accessor", "engine_id": e, "rank": r, "ranks": acc.ranks,
-                               "session": acc.session}
+            eps[f"{e}.{r}"] = {
+                "role": "accessor",
+                "engine_id": e,
+                "rank": r,
+                "ranks": acc.ranks,
+                "session": acc.session,
+            }
         return eps
 
     def _rec(self, endpoint: str, now: float, op: str, args: dict[str, Any] | None = None) -> None:
@@ -274,7 +289,8 @@ class World:
             if "#" in key:
                 continue
             if (
-                "release" not in no and ticket.incarnation == self.incarnation
+                "release" not in no
+                and ticket.incarnation == self.incarnation
                 and any(p.info(ticket.lease_id) is not None for p in self.pinners)
             ):
                 out.append(("release", key))
@@ -298,7 +314,8 @@ class World:
                     if "fail" not in no:
                         out.extend(("fail", e, r, key, how) for how in ("landed", "posted", "unposted"))
             if (
-                "disconnect" not in no and acc.clock_estimator(PINNER) is not None
+                "disconnect" not in no
+                and acc.clock_estimator(PINNER) is not None
                 and not any(k[0] == e and k[1] == r for k in self.accesses)
             ):
                 out.append(("disconnect", e, r))
@@ -501,7 +518,14 @@ class World:
             assert d.notification is not None
             lid = glid(d.notification.incarnation, d.notification.lease_id)
             self.accesses[e, r, key] = _Access(
-                e, r, key, lid, self.real, d.targets, encode(d.notification), d.notification.attempt,
+                e,
+                r,
+                key,
+                lid,
+                self.real,
+                d.targets,
+                encode(d.notification),
+                d.notification.attempt,
                 self.lease_kind[lid] == "push",
             )
 
@@ -618,7 +642,8 @@ class World:
                 heard = (engine, rank, data)
                 if heard in self.replies_heard:
                     lost = [
-                        o for o in outs
+                        o
+                        for o in outs
                         if isinstance(o, LeaseLost) and self.tickets[o.key].incarnation == self.incarnation
                     ]
                     if lost:  # leases of the live incarnation: a stale reply reverted the engine
@@ -779,9 +804,23 @@ class World:
 
 def _pinner_fp(p: Pinner) -> Hashable:
     leases = tuple(
-        (lid, x.key, x.kind, x.expiry, x.expected, x.push, x.state, x.done, x.promised, x.released, x.accessor,
-         x.b_rank, x.b_session, x.b_seq,
-         None if x.more is None else tuple(sorted((k, tuple(v)) for k, v in x.more.items())))
+        (
+            lid,
+            x.key,
+            x.kind,
+            x.expiry,
+            x.expected,
+            x.push,
+            x.state,
+            x.done,
+            x.promised,
+            x.released,
+            x.accessor,
+            x.b_rank,
+            x.b_session,
+            x.b_seq,
+            None if x.more is None else tuple(sorted((k, tuple(v)) for k, v in x.more.items())),
+        )
         for lid, x in p._leases.items()
     )
     tombs = tuple(
@@ -793,23 +832,48 @@ def _pinner_fp(p: Pinner) -> Hashable:
 
 def _accessor_fp(a: Accessor) -> Hashable:
     tracked = tuple(
-        (key, t.engine.engine_id, t.lease_id, t.incarnation, t.kind, t.push, t.state, t.tracked_at, t.valid_until,
-         t.held, t.attempt, t.confirm_deadline, tuple(sorted(t.confirm_pending)), t.attached_confirm,
-         None if t.early_verdicts is None else tuple(sorted(t.early_verdicts.items())))
+        (
+            key,
+            t.engine.engine_id,
+            t.lease_id,
+            t.incarnation,
+            t.kind,
+            t.push,
+            t.state,
+            t.tracked_at,
+            t.valid_until,
+            t.held,
+            t.attempt,
+            t.confirm_deadline,
+            tuple(sorted(t.confirm_pending)),
+            t.attached_confirm,
+            None if t.early_verdicts is None else tuple(sorted(t.early_verdicts.items())),
+        )
         for key, t in a._tracked.items()
     )
     engines = tuple(
-        (name, eng.connected, eng.incarnation, eng.ranks, tuple((k, t.key) for k, t in eng.leases.items()),
-         tuple(sorted(eng.deadlines.items())), tuple(sorted(eng.new_ids)), eng.next_heartbeat, eng.handshake_due,
-         tuple(eng.handshakes.items()),
-         tuple((s, o.t_send, o.incarnation, o.ids, tuple(sorted(o.pending_ranks)), tuple(sorted(o.missing)))
-               for s, o in eng.outstanding.items()),
-         eng.max_message_bytes, tuple(eng.clock._samples))
+        (
+            name,
+            eng.connected,
+            eng.incarnation,
+            eng.ranks,
+            tuple((k, t.key) for k, t in eng.leases.items()),
+            tuple(sorted(eng.deadlines.items())),
+            tuple(sorted(eng.new_ids)),
+            eng.next_heartbeat,
+            eng.handshake_due,
+            tuple(eng.handshakes.items()),
+            tuple(
+                (s, o.t_send, o.incarnation, o.ids, tuple(sorted(o.pending_ranks)), tuple(sorted(o.missing)))
+                for s, o in eng.outstanding.items()
+            ),
+            eng.max_message_bytes,
+            tuple(eng.clock._samples),
+        )
         for name, eng in a._engines.items()
     )
     checks = tuple(sorted(a._checks))
     return (a._seq, tracked, engines, checks, tuple(a._retired), tuple(sorted(a._retired_floor.items())))
-
 
 
 def describe(world: World, action: Action) -> str:

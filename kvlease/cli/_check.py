@@ -17,8 +17,24 @@ from ..check import CHECK_BUGS, KINDS, Scope, explore, to_vector
 
 __all__ = ["check"]
 
-_FAMILIES = ("grant", "release", "track", "retrack", "untrack", "begin", "finish", "fail", "disconnect",
-             "drop", "dup", "misroute", "cross", "replay", "advance", "restart")
+_FAMILIES = (
+    "grant",
+    "release",
+    "track",
+    "retrack",
+    "untrack",
+    "begin",
+    "finish",
+    "fail",
+    "disconnect",
+    "drop",
+    "dup",
+    "misroute",
+    "cross",
+    "replay",
+    "advance",
+    "restart",
+)
 
 
 def _ranks(value: int) -> int:
@@ -34,21 +50,54 @@ def _ranks(value: int) -> int:
 @click.option("--leases", type=click.IntRange(1, 3), default=1, show_default=True)
 @click.option("--kinds", default="renewable", show_default=True, help=f"Comma-separated, of {', '.join(KINDS)}.")
 @click.option("--depth", type=click.IntRange(1, 64), default=8, show_default=True, help="Actions per schedule.")
-@click.option("--history", type=click.IntRange(0, 8), default=0, show_default=True,
-              help="Delivered messages kept for stale replays.")
-@click.option("--without", default="drop,cross", show_default=True,
-              help=f"Action families left out (comma-separated, of {', '.join(_FAMILIES)}; 'none' for none).")
-@click.option("--restarts", type=click.IntRange(0, 1), default=0, show_default=True,
-              help="Pinner restarts per schedule (a new incarnation; lease ids start again at 1).")
-@click.option("--inject-bug", type=click.Choice(sorted(CHECK_BUGS)), default=None,
-              help="Run against a core with one v2 fix switched off.")
+@click.option(
+    "--history",
+    type=click.IntRange(0, 8),
+    default=0,
+    show_default=True,
+    help="Delivered messages kept for stale replays.",
+)
+@click.option(
+    "--without",
+    default="drop,cross",
+    show_default=True,
+    help=f"Action families left out (comma-separated, of {', '.join(_FAMILIES)}; 'none' for none).",
+)
+@click.option(
+    "--restarts",
+    type=click.IntRange(0, 1),
+    default=0,
+    show_default=True,
+    help="Pinner restarts per schedule (a new incarnation; lease ids start again at 1).",
+)
+@click.option(
+    "--inject-bug",
+    type=click.Choice(sorted(CHECK_BUGS)),
+    default=None,
+    help="Run against a core with one v2 fix switched off.",
+)
 @click.option("--max-states", type=int, default=None, help="Stop after this many states (a lower bound).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Write a violation as a conformance-vector candidate in this directory.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write a violation as a conformance-vector candidate in this directory.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def check(
-    pinner_ranks: int, accessor_ranks: int, engines: int, leases: int, kinds: str, depth: int, history: int,
-    without: str, restarts: int, inject_bug: str | None, max_states: int | None, out_dir: Path | None,
+    pinner_ranks: int,
+    accessor_ranks: int,
+    engines: int,
+    leases: int,
+    kinds: str,
+    depth: int,
+    history: int,
+    without: str,
+    restarts: int,
+    inject_bug: str | None,
+    max_states: int | None,
+    out_dir: Path | None,
     as_json: bool,
 ) -> None:
     """Explore every schedule of the real core up to --depth actions; exit 1 on a violation."""
@@ -77,29 +126,48 @@ def check(
         path.write_text(json.dumps(vector, indent=1) + "\n")
         written = str(path)
     summary = {
-        "scope": {"pinner_ranks": pinner_ranks, "accessor_ranks": accessor_ranks, "engines": engines,
-                  "leases": leases, "kinds": list(kind_list), "depth": depth, "history": history,
-                  "without": sorted(left_out), "inject_bug": inject_bug},
-        "states": result.states, "transitions": result.transitions, "wall_s": round(wall, 3),
+        "scope": {
+            "pinner_ranks": pinner_ranks,
+            "accessor_ranks": accessor_ranks,
+            "engines": engines,
+            "leases": leases,
+            "kinds": list(kind_list),
+            "depth": depth,
+            "history": history,
+            "without": sorted(left_out),
+            "inject_bug": inject_bug,
+        },
+        "states": result.states,
+        "transitions": result.transitions,
+        "wall_s": round(wall, 3),
         "states_per_s": round(result.states / wall, 1) if wall > 0 else None,
-        "depth_reached": result.depth_reached, "exhausted": result.exhausted, "truncated": result.truncated,
+        "depth_reached": result.depth_reached,
+        "exhausted": result.exhausted,
+        "truncated": result.truncated,
         "per_depth": result.per_depth,
         "violations": 0 if cx is None else 1,
-        "violation": None if cx is None else {"message": cx.message, "schedule": list(cx.schedule),
-                                              "rates": list(cx.rates)},
+        "violation": None
+        if cx is None
+        else {"message": cx.message, "schedule": list(cx.schedule), "rates": list(cx.rates)},
         "vector": written,
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1))
     else:
-        click.echo(f"scope: p={pinner_ranks} a={accessor_ranks} engines={engines} leases={leases} "
-                   f"kinds={','.join(kind_list)} depth={depth} without={','.join(sorted(left_out)) or '-'}"
-                   + (f"  [bug: {inject_bug}: {hole}]" if inject_bug else ""))
-        click.echo(f"states explored: {result.states:,}  transitions: {result.transitions:,}  "
-                   f"wall time: {wall:.1f} s  ({summary['states_per_s']} states/s)")
-        click.echo(f"states per depth: {result.per_depth}"
-                   + ("  (exhausted: no new state within the bound)" if result.exhausted else "")
-                   + ("  (stopped at --max-states)" if result.truncated else ""))
+        click.echo(
+            f"scope: p={pinner_ranks} a={accessor_ranks} engines={engines} leases={leases} "
+            f"kinds={','.join(kind_list)} depth={depth} without={','.join(sorted(left_out)) or '-'}"
+            + (f"  [bug: {inject_bug}: {hole}]" if inject_bug else "")
+        )
+        click.echo(
+            f"states explored: {result.states:,}  transitions: {result.transitions:,}  "
+            f"wall time: {wall:.1f} s  ({summary['states_per_s']} states/s)"
+        )
+        click.echo(
+            f"states per depth: {result.per_depth}"
+            + ("  (exhausted: no new state within the bound)" if result.exhausted else "")
+            + ("  (stopped at --max-states)" if result.truncated else "")
+        )
         if cx is None:
             click.echo("violations: 0")
         else:
@@ -108,6 +176,5 @@ def check(
             for line in cx.schedule:
                 click.echo("  " + line)
             if written:
-                click.echo(f"conformance-vector candidate: {written} (replay: kvlease conformance --vectors "
-                           f"{out_dir})")
+                click.echo(f"conformance-vector candidate: {written} (replay: kvlease conformance --vectors {out_dir})")
     sys.exit(1 if cx is not None else 0)

@@ -61,7 +61,9 @@ class SubprocessDriver:
         argv[0] = _resolve(argv[0])
         try:
             self._proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
                 bufsize=0,  # stderr is inherited: a chatty driver cannot fill a pipe and stall
             )
         except OSError as exc:  # not found, not executable, ...
@@ -167,12 +169,22 @@ def run_all(vectors: list[JSONDict], impl: Implementation) -> list[VectorResult]
 
 
 @click.command()
-@click.option("--driver", "driver_cmd", metavar="CMD", default=None,
-              help="Check an external implementation: a command speaking the driver protocol "
-              "(spec/vectors/README.md) on stdin/stdout, e.g. the reference driver, "
-              "'kvlease-conformance-driver' (installed beside kvlease).")
-@click.option("--vectors", "vectors_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=None, help="Directory of vector files (default: the vectors shipped with kvlease).")
+@click.option(
+    "--driver",
+    "driver_cmd",
+    metavar="CMD",
+    default=None,
+    help="Check an external implementation: a command speaking the driver protocol "
+    "(spec/vectors/README.md) on stdin/stdout, e.g. the reference driver, "
+    "'kvlease-conformance-driver' (installed beside kvlease).",
+)
+@click.option(
+    "--vectors",
+    "vectors_dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Directory of vector files (default: the vectors shipped with kvlease).",
+)
 @click.option("--only", "names", multiple=True, metavar="NAME", help="Run only this vector (repeatable).")
 @click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for each driver answer.")
 def conformance(driver_cmd: str | None, vectors_dir: Path | None, names: tuple[str, ...], timeout: float) -> None:
