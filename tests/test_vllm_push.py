@@ -121,7 +121,12 @@ def test_push_writes_into_the_decoders_blocks_under_its_lease(pair: dict[str, No
     assert after["completed"] == before["completed"] + 1
     assert after["expired"] == before["expired"]
     assert after["renewed"] >= before["renewed"] + 3, "P's heartbeats renewed D's push lease"
-    assert p.stats()["writes_posted"].get("w1", 0) >= 1  # counted at P's NIXL agent
+    stats = p.stats()
+    assert stats["writes_posted"].get("w1", 0) >= 1  # counted at P's NIXL agent
+    # kvlease's counts on vLLM's Prometheus registry (KVConnectorStats), both ends
+    assert stats["prometheus"]["vllm:kvlease_push_writes_posted_total"] == stats["push"]["push_writes_posted"] >= 1
+    assert stats["prometheus"]["vllm:kvlease_accesses_completed_total"] >= 1
+    assert d.stats()["prometheus"]["vllm:kvlease_leases_completed_total"] >= 1
 
 
 def test_write_not_covered_by_the_window_is_never_started(pair: dict[str, Node]) -> None:
@@ -145,7 +150,8 @@ def test_write_not_covered_by_the_window_is_never_started(pair: dict[str, Node])
     stats = p.stats()
     counts = stats["push"]
     assert "g1" not in stats["writes_posted"], "a WRITE was posted outside the validity window"
-    assert counts["writes_dropped"] + counts["writes_refused"] > base["writes_dropped"] + base["writes_refused"]
+    stopped = ("push_writes_dropped", "push_writes_refused")
+    assert sum(counts[k] for k in stopped) > sum(base[k] for k in stopped)
     done = d.wait("recv_done", 60, id="g1")
     assert done["failed"] is True and done["match"] is None
     again = d.wait("scheduled", 60, id="g1")

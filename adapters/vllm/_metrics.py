@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["KVLEASE_COUNTERS", "KvleaseConnectorStats", "KvleasePromMetrics"]
+__all__ = ["KVLEASE_COUNTERS", "PUSH_COUNTERS", "KvleaseConnectorStats", "KvleasePromMetrics"]
 
 #: `TransportStats` counters exported, with their help text.
 KVLEASE_COUNTERS: dict[str, str] = {
@@ -38,7 +38,15 @@ KVLEASE_COUNTERS: dict[str, str] = {
     "peers_dead": "Peers given up after the engine TTL",
 }
 
-_KEYS = {name: f"kvlease_{name}" for name in KVLEASE_COUNTERS}
+#: The push connector's own counts (its producer's WRITEs), exported the same way.
+PUSH_COUNTERS: dict[str, str] = {
+    "push_writes_posted": "Push WRITEs posted by this producer under the decoder's push lease",
+    "push_writes_refused": "Push WRITEs not started: the validity window did not cover them",
+    "push_writes_dropped": "Push WRITEs dropped: the decoder's push lease was lost before approval",
+}
+
+_ALL = {**KVLEASE_COUNTERS, **PUSH_COUNTERS}
+_KEYS = {name: f"kvlease_{name}" for name in _ALL}
 
 
 class KvleaseConnectorStats(NixlKVConnectorStats):  # type: ignore[misc]
@@ -86,7 +94,7 @@ class KvleasePromMetrics(NixlPromMetrics):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.kvlease_counters: dict[str, Any] = {}
-        for name, doc in KVLEASE_COUNTERS.items():
+        for name, doc in _ALL.items():
             counter = self._counter_cls(name=f"vllm:kvlease_{name}", documentation=doc, labelnames=labelnames)
             self.kvlease_counters[name] = create_metric_per_engine(counter, self.per_engine_labelvalues)
 

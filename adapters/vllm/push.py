@@ -87,7 +87,7 @@ from kvlease import (
     tp_layout,
 )
 
-from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
+from ._metrics import KVLEASE_COUNTERS, PUSH_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
 from ._settings import AdapterSettings, read_settings
 from ._transport import HELLO_MAGIC, ConnectorTransport
 from .connector import TICKET_KEY, _NotifSwap
@@ -210,9 +210,10 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         self._kv_src_done: set[str] = set()  # producer requests whose WRITE will not happen
         self._kv_tracked: dict[str, str] = {}  # base request id -> tracked decoder request id
         #: Counts for tests and operators: WRITEs posted under a lease / refused by the gate.
-        self.kvlease_push_counts = {"writes_posted": 0, "writes_refused": 0, "writes_dropped": 0}
+        self.kvlease_push_counts = dict.fromkeys(PUSH_COUNTERS, 0)
         self.xfer_stats = KvleaseConnectorStats()
         self._kv_counted = dict.fromkeys(KVLEASE_COUNTERS, 0)
+        self._kv_push_counted = dict.fromkeys(PUSH_COUNTERS, 0)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -351,7 +352,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
     def _kv_drop(self, rid: str, p_rid: str, why: str) -> None:
         """Producer: `rid`'s WRITE will not happen; P's source blocks are freed (next step)."""
         log.warning("kvlease: not writing %s (%s)", rid, why)
-        self.kvlease_push_counts["writes_dropped"] += 1
+        self.kvlease_push_counts["push_writes_dropped"] += 1
         self._kv_forget(rid)
         self._kv_src_done.add(p_rid)
 
@@ -459,7 +460,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
                     p_rid, rid = self._kv_refused.get_nowait()
                 except queue.Empty:
                     break
-                self.kvlease_push_counts["writes_refused"] += 1
+                self.kvlease_push_counts["push_writes_refused"] += 1
                 log.warning("kvlease: WRITE for %s not started: the validity window does not cover it", rid)
                 transport.complete(rid, False, "WRITE refused by the push guard")
                 self._kv_forget(rid, written=True)
@@ -469,7 +470,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
                 for p, _r in finished:
                     del self._kv_posted[p]
             for p_rid, rid in finished:
-                self.kvlease_push_counts["writes_posted"] += 1
+                self.kvlease_push_counts["push_writes_posted"] += 1
                 ok = p_rid in res.finished_sending
                 transport.complete(rid, ok, "" if ok else "vLLM reported the WRITE failed")
                 self._kv_writing.discard(rid)
@@ -514,6 +515,11 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
             if now != seen:
                 deltas[name] = now - seen
                 self._kv_counted[name] = now
+        for name, seen in self._kv_push_counted.items():
+            now = self.kvlease_push_counts[name]
+            if now != seen:
+                deltas[name] = now - seen
+                self._kv_push_counted[name] = now
         if deltas:
             self.xfer_stats.record_kvlease(deltas)
 
