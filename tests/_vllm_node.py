@@ -214,6 +214,20 @@ def main() -> None:
 
             agent0.make_prepped_xfer = make_prepped_xfer
             agent0.transfer = transfer
+
+        # Push: a stall of vLLM's writer thread between a WRITE's approval and its posting (as a
+        # GC pause or a starved thread would), per decoder request id: the `stall_writer` op.
+        stalls: dict[str, float] = {}
+        if args.connector.endswith("-push") and impl0 is not None:
+            real_xfer_blocks = impl0._xfer_blocks
+
+            def xfer_blocks(*a: Any, **k: Any) -> Any:
+                stall = stalls.pop(str(k.get("remote_request_id")), 0.0)
+                if stall:
+                    time.sleep(stall)
+                return real_xfer_blocks(*a, **k)
+
+            impl0._xfer_blocks = xfer_blocks
         scheduler = Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
@@ -307,6 +321,10 @@ def main() -> None:
                 )
                 continue
             rid = cmd["id"]
+            if op == "stall_writer":
+                stalls[rid] = float(cmd["seconds"])
+                emit("stalled", id=rid)
+                continue
             if op == "abort":
                 scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
                 emit("aborted", id=rid)

@@ -158,6 +158,29 @@ def test_write_not_covered_by_the_window_is_never_started(pair: dict[str, Node])
     assert again["num_computed_tokens"] == 0, "the prompt is recomputed locally"
 
 
+def test_writer_stalled_past_the_window_does_not_post(pair: dict[str, Node]) -> None:
+    """The writer-side guard: the WRITE of s1 is approved, then vLLM's writer thread stalls
+    (3 s, longer than the access may take: max_access_time + one heartbeat interval) before
+    posting it. The driver gives the access up meanwhile, the published validity drops to -inf,
+    and the writer, checking ``now + A_l <= valid_until`` before posting, does not post it. D's
+    push lease is not renewed any more (the accessor gave it up): it expires, D fails the load
+    and recomputes."""
+    p, d = pair["P"], pair["D"]
+    base = _push(p)
+    _register(p, d, "s1")
+    time.sleep(D / 6)  # tracked and heartbeating
+    p.send(op="stall_writer", id="s1", seconds=MAX_ACCESS + D / 6 + 1.0)
+    p.wait("stalled", 30, id="s1")
+    p.send(op="prefill", id="s1")
+    p.wait("freed", 30, id="s1")  # P's source blocks: the WRITE will not happen
+    counts = _push(p)
+    assert "s1" not in p.stats()["writes_posted"], "the writer posted a WRITE its window no longer covered"
+    assert counts["push_writes_refused"] == base["push_writes_refused"] + 1
+    done = d.wait("recv_done", 4 * D, id="s1")
+    assert done["failed"] is True and done["match"] is None
+    assert d.wait("scheduled", 60, id="s1")["num_computed_tokens"] == 0
+
+
 def test_producer_abort_releases_the_decoders_push_lease(pair: dict[str, Node]) -> None:
     """P aborts its prefill of a1 while it waits (D registered, P heartbeating): P releases D's
     push lease instead of heartbeating it for as long as it runs; D ends it without a WRITE (a
