@@ -20,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
-MODEL = ROOT.parent / "shared" / "engines" / "vllm-tiny-llama"
+#: A complete model directory without weights (a tiny Llama: vLLM reads only config.json here).
+MODEL = ROOT / "engines" / "vllm" / "tiny-llama"
 NODE = Path(__file__).resolve().parent / "_vllm_node.py"
 
 
