@@ -44,6 +44,8 @@ def pair() -> Iterator[dict[str, Node]]:
             bad_config={"kv_lease_duration": D, "max_access_time": -2},
         ),
         "D": dict(role="kv_consumer", connector="kvlease-push", extra=EXTRA),
+        # a stock vLLM push producer (NixlPushConnector, unmodified): the mixed fleet
+        "P2": dict(role="kv_producer", connector="stock-push", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
     }
     nodes = {name: Node(name, **spec) for name, spec in specs.items()}
     try:
@@ -200,6 +202,30 @@ def test_producer_abort_releases_the_decoders_push_lease(pair: dict[str, Node]) 
     assert "a1" not in p.stats()["writes_posted"]
     assert d.wait("scheduled", 60, id="a1")["num_computed_tokens"] == 0
     _unblock_p(p, "a1")
+
+
+def test_kvlease_decoder_with_a_stock_push_producer(pair: dict[str, Node]) -> None:
+    """A rolling upgrade: the kvlease decoder D and a stock vLLM push producer P2, which ignores
+    the ticket in the registration and never heartbeats the push lease. m0, written at once:
+    P2's ``"id:count"`` ends D's push lease through the compat codec. m1, whose prefill waits
+    longer than the lease on P2: D does not give the blocks back at expiry (a stock producer
+    may still WRITE them); it falls back to vLLM's own completion, says so once in its log, and
+    the WRITE that comes later is decoded."""
+    p2, d = pair["P2"], pair["D"]
+    _register(p2, d, "m0")
+    p2.send(op="prefill", id="m0")
+    done = d.wait("recv_done", 60, id="m0")
+    assert done["failed"] is False and done["match"] is True
+    _block_p(p2, "m1")
+    _register(p2, d, "m1")
+    p2.send(op="prefill", id="m1")
+    time.sleep(D + G + 2 * SLACK)  # D's push lease of m1 ran out (no heartbeat from P2)
+    assert not d.seen("recv_done", id="m1"), "D gave up the blocks a stock producer may still WRITE"
+    _unblock_p(p2, "m1")
+    done = d.wait("recv_done", 60, id="m1")
+    assert done["failed"] is False and done["match"] is True
+    log = d.log_path.read_text(errors="replace")
+    assert log.count("never answered the push lease") == 1, "the fallback is logged once per stock producer"
 
 
 def test_decoder_frees_a_dead_producers_destination_blocks_within_the_bound(pair: dict[str, Node]) -> None:

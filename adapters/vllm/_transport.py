@@ -244,6 +244,10 @@ class ConnectorTransport:
         self._peer_of[new_name] = (engine, rank)
         self.send(engine, rank, data)
 
+    def accessor_engines(self) -> set[str]:
+        """Engines whose kvlease accessor said hello to this worker (a pinner) and was answered."""
+        return {engine for engine, _rank in self._peers}
+
     def reject_handshake(self, token: int) -> None:
         self._requests.pop(token, None)
 

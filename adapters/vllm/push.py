@@ -193,6 +193,11 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         self._kv_access_time = self.kvlease_settings.lease.access_time_local
         # decoder (pinner): requests whose destination blocks are under a push lease
         self._kv_granted: set[str] = set()
+        self._kv_producer_of: dict[str, str] = {}  # granted request -> the producer engine
+        #: Requests whose producer turned out to be stock vLLM (it never said hello, so it never
+        #: heartbeats the push lease nor honours it): vLLM's own completion path, no guarantee.
+        self._kv_stock: set[str] = set()
+        self._kv_warned: set[str] = set()
         # producer (accessor), shared with the writer thread (see the module docstring):
         #: Approved WRITEs: decoder request id -> valid_until snapshot (-inf: no longer covered).
         #: Published by the main thread only; a registration with a ticket is gated whether or
@@ -256,10 +261,14 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         if grants and driver.pinner is not None:
             if kv.get("incarnation") != self._kv_incarnation:
                 raise RuntimeError("the kvlease scheduler's incarnation changed under a running worker")
+            regs = getattr(metadata, "push_registrations", None) or {}
             for req_id, lease_id in grants.items():
                 # Granted before vLLM's writer sends the registration (queued just below).
                 driver.grant(req_id, lease_id=lease_id, push=True)
                 self._kv_granted.add(req_id)
+                reg = regs.get(req_id)
+                if reg is not None:
+                    self._kv_producer_of[req_id] = str(reg.get("remote_engine_id"))
         if driver.accessor is not None:
             self._kv_pump(driver)
             for req_id in getattr(metadata, "reqs_not_processed", ()) or ():
@@ -431,6 +440,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
 
     def _get_new_notifs(self) -> set[str]:
         feed = self.kvlease_transport.feed
+        stock = False
         while True:
             try:
                 name, data = self._kv_inbox.get_nowait()
@@ -440,12 +450,21 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
                 # D's stock heartbeat for P's source blocks: vLLM's own lease keeps those.
                 self._handle_heartbeat(data[3:].decode("utf-8", "replace"))
                 continue
-            if not self.kvlease_settings.vllm_compat and not (
-                is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)
-            ):
+            native = is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)
+            if not native and self._kv_stock:
+                rid = data.rpartition(b":")[0].decode("utf-8", "replace")
+                if rid in self._kv_stock:
+                    # A stock producer's WRITE completion: vLLM's own handling (below).
+                    self._kv_stock.discard(rid)
+                    self._pending_completion_notifs.put(data)
+                    stock = True
+                    continue
+            if not self.kvlease_settings.vllm_compat and not native:
                 self.xfer_stats.record_notification_after_expiry()
                 continue
             feed(name, data)
+        if stock:
+            NixlPushConnectorWorker._get_new_notifs(self)
         return set()
 
     def get_transfer_results(self) -> Any:
@@ -485,7 +504,24 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
             if isinstance(ev, Free):
                 if ev.key in self._kv_granted:
                     self._kv_granted.discard(ev.key)
-                    if ev.reason is EndReason.ACCESS_DONE:
+                    producer = self._kv_producer_of.pop(ev.key, None)
+                    if (
+                        ev.reason is EndReason.EXPIRED
+                        and producer is not None
+                        and producer not in self.kvlease_transport.accessor_engines()
+                    ):
+                        # The producer never said hello: stock vLLM, which neither heartbeats
+                        # nor honours the lease and may still WRITE. Keep the blocks until its
+                        # own completion, as vLLM does.
+                        self._kv_stock.add(ev.key)
+                        if producer not in self._kv_warned and len(self._kv_warned) < 1024:
+                            self._kv_warned.add(producer)
+                            log.warning(
+                                "kvlease: producer %r never answered the push lease (a stock vLLM producer): "
+                                "falling back to vLLM's push completion, with no validity guarantee for that peer",
+                                producer,
+                            )
+                    elif ev.reason is EndReason.ACCESS_DONE:
                         # The access-done came after P's WRITE landed: vLLM's "done" marker.
                         self._recving_transfers.setdefault(ev.key, [])
                     else:
