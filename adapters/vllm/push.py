@@ -22,6 +22,13 @@ WRITE that lands after D gave its blocks back corrupts another request. Here:
   ``now + A_l <= valid_until``).
 - **P's source blocks keep vLLM's own pull-style lease** (``kv_lease_duration``, renewed by
   D's stock ``HB:``, reaped by vLLM); see engines/vllm/README-section.md for what that leaves.
+  A prefill aborted on P before its WRITE releases D's push lease (``untrack``), so D fails the
+  load at once instead of waiting for a WRITE that will not come.
+- **Mixed fleets.** A registration without a ticket (a stock D) is written as vLLM writes it. A
+  stock P ignores the ticket: its ``"id:count"`` ends D's push lease through the compat codec;
+  and since it never heartbeats, D, at the lease's expiry, checks whether that producer ever
+  said hello: if not, D keeps the blocks (a stock P may still WRITE them) and falls back to
+  vLLM's own completion, logging once that it has no validity guarantee for that peer.
 
 **Threads.** kvlease's core is single-threaded, vLLM's writer thread is not the engine's. The
 `Driver` (with the `Pinner` or `Accessor`) lives on the engine's main thread and is pumped from
