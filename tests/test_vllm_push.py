@@ -43,7 +43,7 @@ def pair() -> Iterator[dict[str, Node]]:
             max_num_seqs=1,
             bad_config={"kv_lease_duration": D, "max_access_time": -2},
         ),
-        "D": dict(role="kv_consumer", connector="kvlease-push", extra=EXTRA),
+        "D": dict(role="kv_consumer", connector="kvlease-push", extra=EXTRA, bad_config={"kvlease_engine_tll": 5}),
         # a stock vLLM push producer (NixlPushConnector, unmodified): the mixed fleet
         "P2": dict(role="kv_producer", connector="stock-push", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
     }
@@ -99,7 +99,10 @@ def test_push_connectors_come_from_vllms_factory(pair: dict[str, Node]) -> None:
         assert ready["scheduler_impl"] == "KvleasePushScheduler"
         assert ready["worker_impl"] == "KvleasePushWorker"
     err = pair["P"].wait("bad_config")["error"]
-    assert err is not None and "max_access_time" in err
+    assert err is not None and "ConfigError" in err and "max_access_time" in err
+    err = pair["D"].wait("bad_config")["error"]
+    assert err is not None and "kvlease_engine_tll" in err
+    assert pair["P2"].wait("ready")["worker_impl"] == "NixlPushConnectorWorker"
 
 
 def test_push_writes_into_the_decoders_blocks_under_its_lease(pair: dict[str, Node]) -> None:
