@@ -207,6 +207,29 @@ def test_producer_abort_releases_the_decoders_push_lease(pair: dict[str, Node]) 
     _unblock_p(p, "a1")
 
 
+def test_decoder_abort_releases_its_push_lease(pair: dict[str, Node]) -> None:
+    """D aborts x1 while P's prefill of it waits (P heartbeating): D releases the push lease, so
+    P's heartbeats stop renewing it and P learns it is gone; P never WRITEs x1 (its source
+    blocks are freed once its prefill is done) and D gets the destination blocks back at the
+    lease's expiry plus G, instead of holding them for as long as P's prefill waits."""
+    p, d = pair["P"], pair["D"]
+    _block_p(p, "x1")
+    _register(p, d, "x1")
+    p.send(op="prefill", id="x1")
+    time.sleep(D / 3)  # heartbeating
+    t_abort = time.monotonic()
+    d.send(op="abort", id="x1")
+    done = d.wait("recv_done", 4 * D, id="x1")
+    assert done["failed"] is True
+    waited = done["t"] - t_abort
+    upper = 2 * D / 3 * (1 + RHO) / (1 - RHO) + G
+    print(f"push: D gets an aborted request's blocks back {waited:.3f} s after the abort (bound {upper:.3f} s)")
+    assert waited <= upper + SLACK
+    _unblock_p(p, "x1")
+    p.wait("freed", 30, id="x1")
+    assert "x1" not in p.stats()["writes_posted"]
+
+
 def test_kvlease_decoder_with_a_stock_push_producer(pair: dict[str, Node]) -> None:
     """A rolling upgrade: the kvlease decoder D and a stock vLLM push producer P2, which ignores
     the ticket in the registration and never heartbeats the push lease. m0, written at once:

@@ -127,6 +127,8 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
         self.kvlease_incarnation = secrets.randbits(64)
         self._kv_next_id = 1
         self._kv_push_grants: dict[str, int] = {}
+        self._kv_leases: dict[str, int] = {}  # decoder request -> push lease id, until its load ends
+        self._kv_releases: list[str] = []
 
     # decoder: one push lease per registration, its ticket inside the registration
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -139,6 +141,7 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
         lease_id = self._kv_next_id
         self._kv_next_id += 1
         self._kv_push_grants[req_id] = lease_id
+        self._kv_leases[req_id] = lease_id
         reg[TICKET_KEY] = LeaseTicket(
             engine_id=self.engine_id,
             incarnation=self.kvlease_incarnation,
@@ -146,10 +149,27 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
             ranks=self.transfer_tp_size,
         ).to_dict()
 
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        if self._kv_leases.pop(request.request_id, None) is not None:
+            # Finished (aborted) while its push is still awaited: release the push lease. vLLM
+            # holds the blocks until the load reports; the lease ends at its expiry (plus G).
+            self._kv_releases.append(request.request_id)
+        result: tuple[bool, dict[str, Any] | None] = super().request_finished(request, block_ids)
+        return result
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        for req_id in connector_output.finished_recving or ():
+            self._kv_leases.pop(req_id, None)
+
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
-        meta.kvlease = {"incarnation": self.kvlease_incarnation, "push_grants": self._kv_push_grants}
-        self._kv_push_grants = {}
+        meta.kvlease = {
+            "incarnation": self.kvlease_incarnation,
+            "push_grants": self._kv_push_grants,
+            "push_releases": self._kv_releases,
+        }
+        self._kv_push_grants, self._kv_releases = {}, []
         return meta
 
 
@@ -201,6 +221,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         # decoder (pinner): requests whose destination blocks are under a push lease
         self._kv_granted: set[str] = set()
         self._kv_producer_of: dict[str, str] = {}  # granted request -> the producer engine
+        self._kv_lease_of: dict[str, int] = {}  # granted request -> its push lease id
         #: Requests whose producer turned out to be stock vLLM (it never said hello, so it never
         #: heartbeats the push lease nor honours it): vLLM's own completion path, no guarantee.
         self._kv_stock: set[str] = set()
@@ -273,9 +294,18 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
                 # Granted before vLLM's writer sends the registration (queued just below).
                 driver.grant(req_id, lease_id=lease_id, push=True)
                 self._kv_granted.add(req_id)
+                self._kv_lease_of[req_id] = lease_id
                 reg = regs.get(req_id)
                 if reg is not None:
                     self._kv_producer_of[req_id] = str(reg.get("remote_engine_id"))
+        if driver.pinner is not None:
+            for req_id in kv.get("push_releases", ()):
+                lease_id = self._kv_lease_of.pop(req_id, None)
+                if lease_id is not None and req_id in self._kv_granted:
+                    try:
+                        driver.release(lease_id)
+                    except ProtocolError as exc:
+                        log.warning("kvlease: cannot release the push lease of %s (%s)", req_id, exc)
         if driver.accessor is not None:
             self._kv_pump(driver)
             for req_id in getattr(metadata, "reqs_not_processed", ()) or ():
@@ -511,6 +541,7 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
             if isinstance(ev, Free):
                 if ev.key in self._kv_granted:
                     self._kv_granted.discard(ev.key)
+                    self._kv_lease_of.pop(ev.key, None)
                     producer = self._kv_producer_of.pop(ev.key, None)
                     if (
                         ev.reason is EndReason.EXPIRED
