@@ -24,6 +24,8 @@ WRITE that lands after D gave its blocks back corrupts another request. Here:
   D's stock ``HB:``, reaped by vLLM); see engines/vllm/README-section.md for what that leaves.
   A prefill aborted on P before its WRITE releases D's push lease (``untrack``), so D fails the
   load at once instead of waiting for a WRITE that will not come.
+  A request aborted on D while its push is awaited releases the push lease (``release``): P's
+  heartbeats stop renewing it and D's blocks come back at its expiry plus ``G``.
 - **Mixed fleets.** A registration without a ticket (a stock D) is written as vLLM writes it. A
   stock P ignores the ticket: its ``"id:count"`` ends D's push lease through the compat codec;
   and since it never heartbeats, D, at the lease's expiry, checks whether that producer ever
