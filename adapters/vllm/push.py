@@ -413,6 +413,9 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
             self._kv_gate[rid] = _NEG_INF
         self._kv_swap.pop(rid, None)
         self._kv_writing.discard(rid)
+        base = get_base_request_id(rid)
+        if self._kv_tracked.get(base) == rid:
+            del self._kv_tracked[base]
 
     # -- writer thread -----------------------------------------------------------------------
 
