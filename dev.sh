@@ -3,6 +3,7 @@
 #   bash dev.sh demo [ARGS...]   the two-process loopback demo (ZMQ on 127.0.0.1)
 #   bash dev.sh test [ARGS...]   the whole test suite (what .ci/run calls)
 #   bash dev.sh bench|sim|conformance [ARGS...]   the other kvlease subcommands
+#   bash dev.sh gates            only the static gates (ruff check, ruff format --check, mypy --strict)
 #   bash dev.sh env              only create/update the environment
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -38,23 +39,37 @@ engines() {
   done
 }
 
+# Static gates over everything kvlease ships and tests: ruff (lint and format) and mypy --strict
+# (through tools/typecheck.py, which checks the package as it installs: kvlease.transports and
+# kvlease.adapters are mapped directories that plain mypy cannot resolve).
+SOURCES=(kvlease transports adapters tests bench spec tools engines)
+gates() {
+  "$VENV/bin/ruff" check "${SOURCES[@]}"
+  "$VENV/bin/ruff" format --check "${SOURCES[@]}"
+  "$VENV/bin/python" tools/typecheck.py
+}
+
 cmd=${1:-test}
 [ $# -gt 0 ] && shift
 setup
 case "$cmd" in
   env) engines ;;
+  gates) gates ;;
   test)
     engines
     if [ $# -gt 0 ]; then  # a selection of tests: no coverage gate
       exec "$VENV/bin/python" -m pytest "$@"
     fi
-    # The whole suite, then the gate on branch coverage of kvlease/ (omit list in
-    # pyproject.toml) as its own command, so a shortfall fails the run by its exit status.
+    # The gates first (lint, format, types: a minute, and they fail fast), then the whole
+    # suite with its 15 slowest tests listed, then the gate on branch coverage of kvlease/
+    # (omit list in pyproject.toml) as its own command, so a shortfall fails the run by its
+    # exit status.
+    gates
     rm -f .coverage .coverage.*
-    "$VENV/bin/python" -m pytest --cov=kvlease --cov-branch --cov-report=
+    "$VENV/bin/python" -m pytest --cov=kvlease --cov-branch --cov-report= --durations=15
     exec "$VENV/bin/python" -m coverage report --fail-under=95 ;;
   demo|bench|sim|conformance|version)
     exec "$VENV/bin/kvlease" "$cmd" "$@" ;;
   *)
-    echo "usage: bash dev.sh {demo|test|bench|sim|conformance|version|env} [ARGS...]" >&2; exit 2 ;;
+    echo "usage: bash dev.sh {demo|test|bench|sim|conformance|version|gates|env} [ARGS...]" >&2; exit 2 ;;
 esac
