@@ -222,7 +222,67 @@ class _NotifSwap:
         return getattr(self._kvlease_agent, name)
 
 
-class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
+class _KvleaseWorkerBase:
+    """What the pull and the push worker share: the kvlease driver, built on the first step
+    (the pinner needs the incarnation the scheduler sends), and the driver's counters reported
+    to vLLM's `KVConnectorStats` as per-step deltas."""
+
+    kvlease_settings: AdapterSettings
+    kvlease_transport: ConnectorTransport
+    kvlease_driver: Driver | None
+    engine_id: str
+    transfer_tp_rank: int
+    transfer_tp_size: int
+    xfer_stats: KvleaseConnectorStats
+    _kv_pinner_role: bool
+    _kv_accessor_role: bool
+    _kv_incarnation: int | None
+    _kv_counted: dict[str, int]
+
+    def _kv_ensure_driver(self, incarnation: int | None) -> Driver:
+        if self.kvlease_driver is not None:
+            return self.kvlease_driver
+        cfg = self.kvlease_settings.lease
+        pinner = None
+        if self._kv_pinner_role:
+            if incarnation is None:
+                raise RuntimeError("the kvlease scheduler did not send its incarnation")
+            pinner = Pinner(cfg, self.engine_id, incarnation, rank=self.transfer_tp_rank, ranks=self.transfer_tp_size)
+            self._kv_incarnation = incarnation
+        accessor = None
+        if self._kv_accessor_role:
+            accessor = Accessor(
+                cfg, self.engine_id, session=new_session(), rank=self.transfer_tp_rank, ranks=self.transfer_tp_size
+            )
+        s = self.kvlease_settings
+        self.kvlease_driver = Driver(
+            self.kvlease_transport,
+            pinner=pinner,
+            accessor=accessor,
+            engine_ttl=s.engine_ttl,
+            transfer_timeout=s.transfer_timeout,
+            vllm_compat=s.vllm_compat,
+        )
+        return self.kvlease_driver
+
+    @staticmethod
+    def _kv_deltas(counted: dict[str, int], current: dict[str, int]) -> dict[str, int]:
+        """What each counter gained since last reported (and remember the new values)."""
+        deltas = {}
+        for name, seen in counted.items():
+            now = current[name]
+            if now != seen:
+                deltas[name] = now - seen
+                counted[name] = now
+        return deltas
+
+    def _kv_record_stats(self, driver: Driver) -> None:
+        deltas = self._kv_deltas(self._kv_counted, {n: getattr(driver.stats, n) for n in self._kv_counted})
+        if deltas:
+            self.xfer_stats.record_kvlease(deltas)
+
+
+class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: ignore[misc]
     nixl_wrapper: Any
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
@@ -258,32 +318,6 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
         self._kv_counted = dict.fromkeys(KVLEASE_COUNTERS, 0)
 
     # -- set-up ------------------------------------------------------------------------------
-
-    def _kv_ensure_driver(self, incarnation: int | None) -> Driver:
-        if self.kvlease_driver is not None:
-            return self.kvlease_driver
-        cfg = self.kvlease_settings.lease
-        pinner = None
-        if self._kv_pinner_role:
-            if incarnation is None:
-                raise RuntimeError("the kvlease scheduler did not send its incarnation")
-            pinner = Pinner(cfg, self.engine_id, incarnation, rank=self.transfer_tp_rank, ranks=self.transfer_tp_size)
-            self._kv_incarnation = incarnation
-        accessor = None
-        if self._kv_accessor_role:
-            accessor = Accessor(
-                cfg, self.engine_id, session=new_session(), rank=self.transfer_tp_rank, ranks=self.transfer_tp_size
-            )
-        s = self.kvlease_settings
-        self.kvlease_driver = Driver(
-            self.kvlease_transport,
-            pinner=pinner,
-            accessor=accessor,
-            engine_ttl=s.engine_ttl,
-            transfer_timeout=s.transfer_timeout,
-            vllm_compat=s.vllm_compat,
-        )
-        return self.kvlease_driver
 
     def _kv_handshake(self, engine_id: str) -> Any:
         info = self._kv_engines[engine_id]  # KeyError: no side channel known
@@ -485,17 +519,6 @@ class KvleasePullWorker(NixlPullConnectorWorker):  # type: ignore[misc]
                     self._kv_lost.add(key)
         self._kv_record_stats(driver)
         return res
-
-    def _kv_record_stats(self, driver: Driver) -> None:
-        stats = driver.stats
-        deltas = {}
-        for name, seen in self._kv_counted.items():
-            now = getattr(stats, name)
-            if now != seen:
-                deltas[name] = now - seen
-                self._kv_counted[name] = now
-        if deltas:
-            self.xfer_stats.record_kvlease(deltas)
 
 
 # -- the connector -------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import msgpack
-from kvlease.transports import Driver, TransferFailed, new_session
+from kvlease.transports import Driver, TransferFailed
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPushConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
@@ -82,13 +82,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 
 from kvlease import (
     AccessCompleted,
-    Accessor,
     AccessStale,
     EndReason,
     Free,
     LeaseLost,
     LeaseTicket,
-    Pinner,
     ProtocolError,
     TrackedState,
     is_native_frame,
@@ -99,7 +97,7 @@ from kvlease import (
 from ._metrics import KVLEASE_COUNTERS, PUSH_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
 from ._settings import AdapterSettings, read_settings
 from ._transport import HELLO_MAGIC, ConnectorTransport
-from .connector import TICKET_KEY, _NotifSwap
+from .connector import TICKET_KEY, _KvleaseWorkerBase, _NotifSwap
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -200,7 +198,7 @@ class _PushAgent(_NotifSwap):
         return regs
 
 
-class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
+class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: ignore[misc]
     nixl_wrapper: Any
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
@@ -251,32 +249,6 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         self._kv_push_counted = dict.fromkeys(PUSH_COUNTERS, 0)
 
     # -- set-up ------------------------------------------------------------------------------
-
-    def _kv_ensure_driver(self, incarnation: int | None) -> Driver:
-        if self.kvlease_driver is not None:
-            return self.kvlease_driver
-        cfg = self.kvlease_settings.lease
-        pinner = None
-        if self._kv_pinner_role:
-            if incarnation is None:
-                raise RuntimeError("the kvlease scheduler did not send its incarnation")
-            pinner = Pinner(cfg, self.engine_id, incarnation, rank=self.transfer_tp_rank, ranks=self.transfer_tp_size)
-            self._kv_incarnation = incarnation
-        accessor = None
-        if self._kv_accessor_role:
-            accessor = Accessor(
-                cfg, self.engine_id, session=new_session(), rank=self.transfer_tp_rank, ranks=self.transfer_tp_size
-            )
-        s = self.kvlease_settings
-        self.kvlease_driver = Driver(
-            self.kvlease_transport,
-            pinner=pinner,
-            accessor=accessor,
-            engine_ttl=s.engine_ttl,
-            transfer_timeout=s.transfer_timeout,
-            vllm_compat=s.vllm_compat,
-        )
-        return self.kvlease_driver
 
     def _kv_handshake(self, engine_id: str) -> Any:
         info = self._kv_engines[engine_id]  # KeyError: no side channel known
@@ -587,18 +559,8 @@ class KvleasePushWorker(NixlPushConnectorWorker):  # type: ignore[misc]
         return res
 
     def _kv_record_stats(self, driver: Driver) -> None:
-        stats = driver.stats
-        deltas = {}
-        for name, seen in self._kv_counted.items():
-            now = getattr(stats, name)
-            if now != seen:
-                deltas[name] = now - seen
-                self._kv_counted[name] = now
-        for name, seen in self._kv_push_counted.items():
-            now = self.kvlease_push_counts[name]
-            if now != seen:
-                deltas[name] = now - seen
-                self._kv_push_counted[name] = now
+        deltas = self._kv_deltas(self._kv_counted, {n: getattr(driver.stats, n) for n in self._kv_counted})
+        deltas.update(self._kv_deltas(self._kv_push_counted, self.kvlease_push_counts))
         if deltas:
             self.xfer_stats.record_kvlease(deltas)
 
