@@ -429,6 +429,13 @@ class LeaseRuntime:
                 return False
             return not all(leases.values()) or room in self._dest_expired
 
+    def dest_ended(self, room: int) -> bool:
+        """Decode: `room` had destination leases and all of them ended without expiring (the
+        access-done after the last WRITE, or the prefill's release)."""
+        with self._lock:
+            leases = self._dest.get(room)
+            return leases is not None and bool(leases) and all(leases.values()) and room not in self._dest_expired
+
     def forget_dest(self, room: int) -> None:
         """Decode: the room is cleared; drop its bookkeeping once its leases have ended."""
         with self._lock:

@@ -271,6 +271,7 @@ class LeaseNixlKVReceiver(NixlKVReceiver):  # type: ignore[misc]
     """SGLang's NIXL receiver; renews the prefill's source lease and pins its destination pages."""
 
     _kvlease_done = False
+    _kvlease_restarted = False  # SGLang's waiting timeout restarted once the leases ended
 
     def _prefill_ranks(self) -> list[tuple[str, int]]:
         infos = getattr(self, "bootstrap_infos", None) or []
@@ -292,8 +293,16 @@ class LeaseNixlKVReceiver(NixlKVReceiver):  # type: ignore[misc]
 
     def _check_waiting_timeout(self) -> Any:
         rt = getattr(self.kv_mgr, "kvlease", None)
-        if rt is not None and rt.settings.dest_lease and rt.dest_decides(self.bootstrap_room):
-            return None  # a live lease is an alive prefill; an expired one fails the room itself
+        if rt is not None and rt.settings.dest_lease:
+            room = self.bootstrap_room
+            if rt.dest_decides(room):
+                return None  # a live lease is an alive prefill; an expired one fails the room itself
+            if not self._kvlease_restarted and rt.dest_ended(room):
+                # The leases ended on the access-done (the data landed) or a release, possibly a
+                # moment before SGLang's own KV_STATUS arrives on its socket: the stock timeout
+                # counts from here, not from a wait the lease already covered.
+                self._kvlease_restarted = True
+                self.init_time = time.time()
         return super()._check_waiting_timeout()
 
     def _settle(self, status: Any) -> None:
