@@ -112,6 +112,7 @@ def test_push_writes_into_the_decoders_blocks_under_its_lease(pair: dict[str, No
     WRITE), and P frees its source blocks."""
     p, d = pair["P"], pair["D"]
     before = d.stats()["counters"]
+    p_before = p.stats()
     _block_p(p, "w1")
     _register(p, d, "w1")
     p.send(op="prefill", id="w1")
@@ -120,8 +121,16 @@ def test_push_writes_into_the_decoders_blocks_under_its_lease(pair: dict[str, No
     _unblock_p(p, "w1")
     done = d.wait("recv_done", 60, id="w1")
     assert done["failed"] is False and done["match"] is True
-    p.wait("freed", 30, id="w1")
+    freed = p.wait("freed", 30, id="w1")
     d.wait("finished", 30, id="w1")
+    # P's source blocks were under a kvlease lease (renewed by D's HB:), freed on the push's
+    # completion through finished_sending, not at the lease's expiry.
+    p_after = p.stats()
+    assert p_after["driver"]["leases_granted"] >= p_before["driver"]["leases_granted"] + 1
+    assert p_after["counters"]["expired"] == p_before["counters"]["expired"], "P's source lease expired"
+    assert p_after["counters"]["completed"] >= p_before["counters"]["completed"] + 1
+    assert p_after["live"] == 0, "P's source lease outlived the push"
+    assert freed["t"] - done["t"] < D / 2, "P's source blocks freed on the completion, not at expiry"
     after = d.stats()["counters"]
     assert after["completed"] == before["completed"] + 1
     assert after["expired"] == before["expired"]
@@ -161,6 +170,28 @@ def test_write_not_covered_by_the_window_is_never_started(pair: dict[str, Node])
     assert done["failed"] is True and done["match"] is None
     again = d.wait("scheduled", 60, id="g1")
     assert again["num_computed_tokens"] == 0, "the prompt is recomputed locally"
+
+
+def test_source_lease_expires_while_the_decoder_is_frozen(pair: dict[str, Node]) -> None:
+    """D is frozen (SIGSTOP), so nothing renews P's source lease of e1 (prefilled on P, no
+    registration reached it): P's pinner lease expires and vLLM frees the blocks within D (the
+    initial lease) plus slack of the prefill's end, through kvlease's Free (not vLLM's reaper),
+    with no WRITE from them posted."""
+    p, d = pair["P"], pair["D"]
+    before = p.stats()
+    d.signal(signal.SIGSTOP)
+    try:
+        p.send(op="prefill", id="e1")
+        fin = p.wait("finished", 30, id="e1")
+        freed = p.wait("freed", D + 10 * SLACK, id="e1")
+    finally:
+        d.signal(signal.SIGCONT)
+    after = p.stats()
+    assert freed["t"] - fin["t"] <= D + SLACK, "freed past the source lease's bound"
+    assert freed["t"] - fin["t"] >= D / 2, "freed before the source lease could expire"
+    assert after["counters"]["expired"] == before["counters"]["expired"] + 1, "freed by the source lease's expiry"
+    assert after["reqs_to_send"] == 0, "vLLM's own deadline holds no source blocks"
+    assert "e1" not in after["writes_posted"], "a WRITE from freed source blocks"
 
 
 def test_writer_stalled_past_the_window_does_not_post(pair: dict[str, Node]) -> None:

@@ -20,8 +20,12 @@ WRITE that lands after D gave its blocks back corrupts another request. Here:
   tracks it (heartbeating D from then on: while its request waits and prefills), and WRITEs only
   under the validity window (spec/PROTOCOL.md, section 6.2: a push WRITE starts only if
   ``now + A_l <= valid_until``).
-- **P's source blocks keep vLLM's own pull-style lease** (``kv_lease_duration``, renewed by
-  D's stock ``HB:``, reaped by vLLM); see engines/vllm/README-section.md for what that leaves.
+- **P's source blocks are under a kvlease pinner lease on P's worker** (``src_grants`` from
+  `KvleasePushScheduler.request_finished`, granted in place of vLLM's ``_reqs_to_send``
+  deadline; renewed by D's stock ``HB:`` through the compat codec; needs ``vllm_compat``). The
+  push's completion (vLLM's ``finished_sending``) ends it at once (an access-done through the
+  compat codec; its `Free` is swallowed). Its expiry frees the blocks, held while a WRITE from
+  them is posted or being posted (``_kv_posting``); no WRITE from an expired one is posted.
   A prefill aborted on P before its WRITE releases D's push lease (``untrack``), so D fails the
   load at once instead of waiting for a WRITE that will not come.
   A request aborted on D while its push is awaited releases the push lease (``release``): P's
@@ -57,9 +61,10 @@ reads and queues:
 
 Notifications: the writer thread owns ``get_new_notifs`` in push mode. The agent wrapper gives
 the writer only ``PUSH_REG`` notifications and queues every other one, with its sender's agent
-name, for the main thread: kvlease frames and hellos go to the driver, stock ``HB:`` to vLLM's
-own ``_handle_heartbeat`` (P's source-block lease), and a stock P's ``"id:count"`` to the
-driver's vLLM-compat codec (it ends D's push lease as an access-done by request id).
+name, for the main thread: kvlease frames and hellos go to the driver, stock ``HB:`` to the
+driver's vLLM-compat codec (P's source-block lease; vLLM's ``_handle_heartbeat`` when compat is
+off), and a stock P's ``"id:count"`` to the same codec (it ends D's push lease as an access-done
+by request id).
 """
 
 from __future__ import annotations
@@ -129,6 +134,7 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
         self._kv_push_grants: dict[str, int] = {}
         self._kv_leases: dict[str, int] = {}  # decoder request -> push lease id, until its load ends
         self._kv_releases: list[str] = []
+        self._kv_src_grants: dict[str, int] = {}  # producer request -> source lease id (this step)
 
     # decoder: one push lease per registration, its ticket inside the registration
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -154,7 +160,12 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
             # Finished (aborted) while its push is still awaited: release the push lease. vLLM
             # holds the blocks until the load reports; the lease ends at its expiry (plus G).
             self._kv_releases.append(request.request_id)
+        had = request.request_id in self._reqs_need_send
         result: tuple[bool, dict[str, Any] | None] = super().request_finished(request, block_ids)
+        if not had and request.request_id in self._reqs_need_send and self.kvlease_settings.vllm_compat:
+            # Producer: P's source blocks go under a kvlease lease (renewed by D's `HB:`).
+            self._kv_src_grants[request.request_id] = self._kv_next_id
+            self._kv_next_id += 1
         return result
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -168,8 +179,9 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
             "incarnation": self.kvlease_incarnation,
             "push_grants": self._kv_push_grants,
             "push_releases": self._kv_releases,
+            "src_grants": self._kv_src_grants,
         }
-        self._kv_push_grants, self._kv_releases = {}, []
+        self._kv_push_grants, self._kv_releases, self._kv_src_grants = {}, [], {}
         return meta
 
 
@@ -206,7 +218,10 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         self.kvlease_settings = _settings_of(vllm_config)
         role = vllm_config.kv_transfer_config.kv_role
         #: Push: the decoder pins its destination blocks, the producer (the writer) accesses.
-        self._kv_pinner_role = role in ("kv_consumer", "kv_both")
+        #: The producer pins its source blocks too (renewed by D's stock `HB:`, compat codec).
+        self._kv_pinner_role = role in ("kv_consumer", "kv_both") or (
+            role == "kv_producer" and self.kvlease_settings.vllm_compat
+        )
         self._kv_accessor_role = role in ("kv_producer", "kv_both")
         self._kv_swap: dict[str, bytes] = {}  # decoder request id -> access-done for its WRITE
         self._kv_inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
@@ -242,6 +257,16 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         self._kv_writing: set[str] = set()  # approved, the access is open in the accessor
         self._kv_src_done: set[str] = set()  # producer requests whose WRITE will not happen
         self._kv_tracked: dict[str, str] = {}  # base request id -> tracked decoder request id
+        #: Producer: requests whose source blocks are under a kvlease pinner lease.
+        self._kv_src: set[str] = set()
+        self._kv_src_reported: set[str] = set()  # freed through finished_sending, lease ending
+        self._kv_src_held: set[str] = set()  # lease expired, a WRITE from the blocks in flight
+        #: Shared with the writer (under ``_sending_transfers_lock``): requests whose WRITEs are
+        #: being posted, and source leases expired (no WRITE from them may be posted any more).
+        self._kv_posting: set[str] = set()
+        self._kv_src_expired: dict[str, None] = {}
+        #: Test hook: requests whose posted WRITE is reported pending however NIXL reports it.
+        self._kv_test_pending: set[str] = set()
         #: Counts for tests and operators: WRITEs posted under a lease / refused by the gate.
         self.kvlease_push_counts = dict.fromkeys(PUSH_COUNTERS, 0)
         self.xfer_stats = KvleaseConnectorStats()
@@ -285,6 +310,14 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
             for req_id in getattr(metadata, "reqs_not_processed", ()) or ():
                 self._kv_release(driver, req_id)
         super().start_load_kv(metadata)
+        src = kv.get("src_grants", {})
+        if src and driver.pinner is not None:
+            for req_id, lease_id in src.items():
+                # vLLM's worker took the request: grant instead of vLLM's deadline, so vLLM's
+                # reaper never sees it (the lease's Free releases it, see get_transfer_results).
+                if self._reqs_to_send.pop(req_id, None) is not None:
+                    driver.grant(req_id, lease_id=lease_id)
+                    self._kv_src.add(req_id)
 
     def _kv_pump(self, driver: Driver) -> None:
         """Producer: track new registrations, approve parked WRITEs, publish the gate."""
@@ -424,6 +457,9 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         local_xfer_side_handle: int,
         remote_xfer_side_handle: int,
     ) -> int | None:
+        if self._kv_src_expired and request_id in self._kv_src_expired:
+            # P's source lease expired (its blocks are being freed): nothing from them is posted.
+            return None
         if self._kv_current is not None:
             # The push guard (spec section 6.2), checked before posting each WRITE.
             valid_until = self._kv_gate.get(remote_request_id, _NEG_INF)
@@ -441,7 +477,15 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         return handle
 
     def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
-        super()._xfer_blocks_for_req(req_id, meta)
+        # vLLM publishes the WRITE handles only after the last one is posted: until then the
+        # request is "posting", which holds a source-lease Free as a posted WRITE does.
+        with self._sending_transfers_lock:
+            self._kv_posting.add(req_id)
+        try:
+            super()._xfer_blocks_for_req(req_id, meta)
+        finally:
+            with self._sending_transfers_lock:
+                self._kv_posting.discard(req_id)
         rid = self._kv_current
         if rid is not None:
             with self._sending_transfers_lock:
@@ -461,8 +505,12 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
             except queue.Empty:
                 break
             if data.startswith(b"HB:"):
-                # D's stock heartbeat for P's source blocks: vLLM's own lease keeps those.
-                self._handle_heartbeat(data[3:].decode("utf-8", "replace"))
+                # D's stock heartbeat for P's source blocks: it renews their kvlease lease (the
+                # compat codec), or vLLM's own deadline where P grants none (compat off).
+                if self.kvlease_driver is not None and self.kvlease_driver.pinner is not None:
+                    feed(name, data)
+                else:
+                    self._handle_heartbeat(data[3:].decode("utf-8", "replace"))
                 continue
             native = is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)
             if not native and self._kv_stock:
@@ -481,12 +529,46 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
             NixlPushConnectorWorker._get_new_notifs(self)
         return set()
 
+    def _pop_done_transfers(self, transfers: Any) -> Any:
+        if not self._kv_test_pending:
+            return super()._pop_done_transfers(transfers)
+        hidden = {r: transfers.pop(r) for r in list(self._kv_test_pending) if r in transfers}
+        try:
+            return super()._pop_done_transfers(transfers)
+        finally:
+            transfers.update(hidden)
+
+    def _kv_in_flight(self, p_rid: str) -> bool:
+        """Under ``_sending_transfers_lock``: a WRITE from `p_rid`'s blocks is posted (or
+        being posted) and not complete."""
+        return bool(self._sending_transfers.get(p_rid)) or p_rid in self._kv_posting
+
+    def _kv_src_free(self, res: Any, p_rid: str) -> None:
+        self._reqs_to_process.discard(p_rid)
+        if p_rid not in res.finished_sending:
+            res.finished_sending.add(p_rid)
+            self._evict_finished_inbox.put(p_rid)
+            self._push_writer_wake.set()
+
     def get_transfer_results(self) -> Any:
         res = super().get_transfer_results()
         driver = self.kvlease_driver
         if driver is None:
             return res
         transport = self.kvlease_transport
+        if self._kv_src:
+            # Source blocks vLLM freed on the push's completion: their lease ends now (an
+            # access-done through the compat codec), its Free is swallowed.
+            for p_rid in res.finished_sending & self._kv_src:
+                self._kv_src.discard(p_rid)
+                self._kv_src_reported.add(p_rid)
+                transport.feed(self.engine_id, f"{p_rid}:1".encode())
+        if self._kv_src_held:
+            with self._sending_transfers_lock:
+                ready = [r for r in self._kv_src_held if not self._kv_in_flight(r)]
+            for p_rid in ready:
+                self._kv_src_held.discard(p_rid)
+                self._kv_src_free(res, p_rid)
         if driver.accessor is not None:
             while True:
                 try:
@@ -513,10 +595,32 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
                 self._reqs_to_process.discard(p_rid)
                 self._evict_finished_inbox.put(p_rid)
                 res.finished_sending.add(p_rid)
+                if p_rid in self._kv_src:
+                    self._kv_src.discard(p_rid)
+                    self._kv_src_reported.add(p_rid)
+                    transport.feed(self.engine_id, f"{p_rid}:1".encode())
             self._kv_src_done.clear()
         for ev in driver.step():
             if isinstance(ev, Free):
-                if ev.key in self._kv_granted:
+                if ev.key in self._kv_src_reported:
+                    self._kv_src_reported.discard(ev.key)  # freed already, on the push's completion
+                elif ev.key in self._kv_src:
+                    # P's source lease ended (expired: D stopped renewing). The blocks are freed
+                    # now, unless a WRITE from them is in flight: then when it completes.
+                    self._kv_src.discard(ev.key)
+                    self.xfer_stats.record_kv_expired_req()
+                    log.warning("kvlease: source lease of %s ended (%s): its blocks are freed", ev.key, ev.reason.name)
+                    with self._sending_transfers_lock:
+                        # Kept (bounded) after the free: the writer may still hold the request.
+                        self._kv_src_expired[ev.key] = None
+                        if len(self._kv_src_expired) > 1 << 16:
+                            del self._kv_src_expired[next(iter(self._kv_src_expired))]
+                        held = self._kv_in_flight(ev.key)
+                    if held:
+                        self._kv_src_held.add(ev.key)
+                    else:
+                        self._kv_src_free(res, ev.key)
+                elif ev.key in self._kv_granted:
                     self._kv_granted.discard(ev.key)
                     self._kv_lease_of.pop(ev.key, None)
                     producer = self._kv_producer_of.pop(ev.key, None)
