@@ -321,6 +321,12 @@ def main() -> None:
                 )
                 continue
             rid = cmd["id"]
+            if op in ("hold_write", "release_write"):
+                # test hook: P's WRITE of `rid` stays reported pending until released
+                pending = getattr(worker.connector_worker, "_kv_test_pending")  # noqa: B009
+                (pending.add if op == "hold_write" else pending.discard)(rid)
+                emit(op, id=rid)
+                continue
             if op == "stall_writer":
                 stalls[rid] = float(cmd["seconds"])
                 emit("stalled", id=rid)

@@ -194,6 +194,28 @@ def test_source_lease_expires_while_the_decoder_is_frozen(pair: dict[str, Node])
     assert "e1" not in after["writes_posted"], "a WRITE from freed source blocks"
 
 
+def test_expired_source_lease_is_held_while_its_write_is_pending(pair: dict[str, Node]) -> None:
+    """A test hook keeps P's posted WRITE of h1 reported pending (the data lands, D loads it and
+    stops heartbeating): P's source lease expires, but its blocks are not freed while the WRITE
+    is pending; released, the WRITE completes and the blocks are freed."""
+    p, d = pair["P"], pair["D"]
+    before = p.stats()["counters"]
+    p.send(op="hold_write", id="h1")
+    p.wait("hold_write", 30, id="h1")
+    _register(p, d, "h1")
+    p.send(op="prefill", id="h1")
+    d.wait("recv_done", 60, id="h1")
+    d.wait("finished", 30, id="h1")
+    deadline = time.monotonic() + 3 * D
+    while p.stats()["counters"]["expired"] == before["expired"]:
+        assert time.monotonic() < deadline, "P's source lease never expired"
+        time.sleep(0.5)
+    time.sleep(1.0)
+    assert not p.seen("freed", id="h1"), "P's source blocks freed while a WRITE from them was pending"
+    p.send(op="release_write", id="h1")
+    p.wait("freed", 30, id="h1")
+
+
 def test_writer_stalled_past_the_window_does_not_post(pair: dict[str, Node]) -> None:
     """The writer-side guard: the WRITE of s1 is approved, then vLLM's writer thread stalls
     (3 s, longer than the access may take: max_access_time + one heartbeat interval) before
