@@ -524,11 +524,9 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 # -- the connector -------------------------------------------------------------------------------
 
 
-class KvleaseNixlConnector(NixlPullConnector):  # type: ignore[misc]
-    """vLLM's pull-mode NIXL connector (``NixlConnector``) with kvlease leases."""
-
-    connector_scheduler: KvleasePullScheduler | None
-    connector_worker: KvleasePullWorker | None
+class _KvleaseMetrics:
+    """Both connectors report kvlease's counters through vLLM's own stats and Prometheus
+    classes (pull and push share these two hooks)."""
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvleaseConnectorStats:
@@ -543,6 +541,13 @@ class KvleaseNixlConnector(NixlPullConnector):  # type: ignore[misc]
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KvleasePromMetrics:
         return KvleasePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class KvleaseNixlConnector(_KvleaseMetrics, NixlPullConnector):  # type: ignore[misc]
+    """vLLM's pull-mode NIXL connector (``NixlConnector``) with kvlease leases."""
+
+    connector_scheduler: KvleasePullScheduler | None
+    connector_worker: KvleasePullWorker | None
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # Settings first: a bad value fails here, naming the key, before anything starts.

@@ -99,10 +99,10 @@ from kvlease import (
     tp_layout,
 )
 
-from ._metrics import KVLEASE_COUNTERS, PUSH_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
+from ._metrics import KVLEASE_COUNTERS, PUSH_COUNTERS, KvleaseConnectorStats
 from ._settings import AdapterSettings, read_settings
 from ._transport import HELLO_MAGIC, ConnectorTransport
-from .connector import TICKET_KEY, _KvleaseWorkerBase, _NotifSwap
+from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase, _NotifSwap
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -672,25 +672,11 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
 # -- the connector -------------------------------------------------------------------------------
 
 
-class KvleaseNixlPushConnector(NixlPushConnector):  # type: ignore[misc]
+class KvleaseNixlPushConnector(_KvleaseMetrics, NixlPushConnector):  # type: ignore[misc]
     """vLLM's push-mode NIXL connector (``NixlPushConnector``) with kvlease push leases."""
 
     connector_scheduler: KvleasePushScheduler | None
     connector_worker: KvleasePushWorker | None
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvleaseConnectorStats:
-        return KvleaseConnectorStats(data=data) if data is not None else KvleaseConnectorStats()
-
-    @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[Any, Any],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KvleasePromMetrics:
-        return KvleasePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         _settings_of(vllm_config)  # a bad value fails here, naming the key
