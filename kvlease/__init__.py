@@ -9,7 +9,7 @@ from ._accessor import AccessDecision, Accessor, TrackedState
 from ._auth import MAC_BYTES, FrameAuth, is_sealed_frame
 from ._clock import MAX_TIME, ClockOffsetEstimator, ClockSample, LocalTime, OffsetEstimate, PeerTime
 from ._codec import decode, encode, is_native_frame, split_ids
-from ._config import MIN_MESSAGE_BYTES, MIN_VALIDITY_MARGIN, LeaseConfig
+from ._config import MIN_ACCESS_TIME, MIN_MESSAGE_BYTES, MIN_VALIDITY_MARGIN, LeaseConfig
 from ._errors import (
     DECODE_ERROR_CATEGORIES,
     ConfigError,
@@ -62,6 +62,7 @@ __all__ = [
     "MAX_RANKS",
     "MAX_TIME",
     "MIN_MESSAGE_BYTES",
+    "MIN_ACCESS_TIME",
     "MIN_VALIDITY_MARGIN",
     "PROTOCOL_VERSION",
     "AccessCompleted",

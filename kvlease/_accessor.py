@@ -46,6 +46,7 @@ from ._events import (
     Send,
 )
 from ._layout import MAX_RANKS, TpLayout, layout_error, tp_layout
+from ._terms import LeaseTerms
 from ._messages import (
     ALL_CAPABILITIES,
     PROTOCOL_VERSION,
@@ -89,18 +90,40 @@ class AccessDecision:
     guaranteed: bool
     valid_until: LocalTime | None
     reason: str = ""
-    #: The access-done to attach to the transfer, so the transport delivers it to the pinner
-    #: only after the data has landed (NIXL: the transfer's notification). Pass
-    #: ``notified=True`` to `Accessor.access_finished` when it was attached.
-    notification: AccessDone | None = None
+    #: The access-dones to attach to the transfer, one per target rank (in `targets` order),
+    #: so the transport delivers each to its pinner rank only after that part's data has
+    #: landed (NIXL: the transfer's notification). Each names its pinner rank: attach
+    #: `notification_for(rank)` to the part that accesses `rank`. Pass ``notified=True`` to
+    #: `Accessor.access_finished` when they were attached.
+    notifications: tuple[AccessDone, ...] = ()
     #: The pinner ranks this accessor rank accesses (and notifies), for heterogeneous TP.
     targets: tuple[int, ...] = ()
     #: The pinner engine the access goes to.
     engine_id: str = ""
 
+    @property
+    def notification(self) -> AccessDone | None:
+        """The one access-done of an access of a single pinner rank (None if not allowed). An
+        access of several pinner ranks has one per rank: `notification_for` (asking this of
+        one is misuse: attaching one rank's access-done to every part is what lets a
+        misdelivered part free a rank whose part is still running)."""
+        if len(self.notifications) > 1:
+            raise LocalProtocolError(
+                f"the access targets pinner ranks {list(self.targets)}: use notification_for(rank) per part"
+            )
+        return self.notifications[0] if self.notifications else None
+
+    def notification_for(self, rank: int) -> AccessDone:
+        """The access-done to attach to the part of the transfer that accesses pinner `rank`."""
+        for note in self.notifications:
+            if note.to_rank == rank:
+                return note
+        raise LocalProtocolError(f"pinner rank {rank} is not a target of this access ({list(self.targets)})")
+
 
 class _Tracked:
     __slots__ = (
+        "acked_send",
         "attached_confirm",
         "attempt",
         "confirm_deadline",
@@ -128,6 +151,7 @@ class _Tracked:
         self.state = TrackedState.WAITING
         self.tracked_at = now
         self.valid_until = _NEG_INF
+        self.acked_send = _NEG_INF  # the send time of the newest round every target acknowledged
         # A heartbeat round sent after tracking was acknowledged by every target rank without
         # listing the lease: the pinner held it for this accessor then. A fixed-TTL lease has
         # no validity before that (its deadline alone does not say the lease is still ours).
@@ -141,15 +165,30 @@ class _Tracked:
         self.early_verdicts: dict[int, AccessOutcome] | None = None
 
 
-class _Outstanding:
-    __slots__ = ("ids", "incarnation", "missing", "pending_ranks", "t_send")
+class _Round:
+    """One heartbeat round to one engine: its chunks' seqs still awaiting acks."""
 
-    def __init__(self, t_send: float, incarnation: int, ids: tuple[int, ...], ranks: range) -> None:
+    __slots__ = ("seqs", "t_send")
+
+    def __init__(self, t_send: float) -> None:
+        self.t_send = t_send
+        self.seqs: set[int] = set()
+
+
+class _Outstanding:
+    __slots__ = ("extension", "ids", "incarnation", "missing", "pending_ranks", "round", "round_id", "t_send")
+
+    def __init__(
+        self, t_send: float, incarnation: int, ids: tuple[int, ...], ranks: range, rnd: _Round, round_id: int
+    ) -> None:
         self.t_send = t_send
         self.incarnation = incarnation
         self.ids = ids
         self.pending_ranks = set(ranks)
         self.missing: set[int] = set()
+        self.extension = float("inf")  # the smallest extension an ack of this chunk stated
+        self.round = rnd
+        self.round_id = round_id
 
 
 class _PinnerEngine:
@@ -161,6 +200,7 @@ class _PinnerEngine:
         "deadlines",
         "engine_id",
         "handshake_due",
+        "handshake_for",
         "handshakes",
         "incarnation",
         "leases",
@@ -169,6 +209,8 @@ class _PinnerEngine:
         "next_heartbeat",
         "outstanding",
         "ranks",
+        "rounds",
+        "terms",
     )
 
     def __init__(self, engine_id: str, config: LeaseConfig, ranks: int) -> None:
@@ -185,7 +227,14 @@ class _PinnerEngine:
         # Handshakes sent and not yet answered: seq -> t_send. A reply counts only if it answers
         # one of them; the first accepted reply retires them all (older ones are superseded).
         self.handshakes: OrderedDict[int, float] = OrderedDict()
+        # The incarnation named by the ticket whose tracking asked for those handshakes (None:
+        # proactive). A ticket of another one retires them: their replies may predate it.
+        self.handshake_for: int | None = None
         self.outstanding: OrderedDict[int, _Outstanding] = OrderedDict()
+        # Rounds with chunks awaiting acks, oldest first (max_outstanding_heartbeats bounds them).
+        self.rounds: OrderedDict[int, _Round] = OrderedDict()
+        # What validity may assume: our own terms until the pinner states its own (handshake).
+        self.terms = LeaseTerms.own(config)
         self.max_message_bytes = config.max_message_bytes  # lowered to the pinner's at handshake
         self.clock = ClockOffsetEstimator(config.max_drift_rate, config.clock_sample_window)
 
@@ -252,7 +301,7 @@ class Accessor:
                 continue
             if eng.connected:
                 best = min(best, eng.next_heartbeat)
-                if eng.new_ids:
+                if eng.new_ids and len(eng.rounds) < self.config.max_outstanding_heartbeats:
                     best = min(best, self._now)
             else:
                 best = min(best, eng.handshake_due)
@@ -276,10 +325,14 @@ class Accessor:
                     out.append(HandshakeNeeded(eng.engine_id, self._handshake(now, eng)))
             elif eng.next_heartbeat <= now:
                 eng.new_ids.clear()
-                eng.next_heartbeat = now + self.config.heartbeat_interval
+                eng.next_heartbeat = now + eng.terms.heartbeat_interval
                 ids = [i for (inc, i), t in eng.leases.items() if t.state in _HEARTBEATING and inc == eng.incarnation]
+                self._make_room(now, eng, periodic=True)
                 self._send_heartbeats(now, eng, sorted(ids), out)
-            elif eng.new_ids:
+            elif eng.new_ids and self._make_room(now, eng, periodic=False):
+                # With max_outstanding_heartbeats rounds awaiting acks the new ids wait (for an
+                # ack, or the periodic round): dropping a round before its ack could return is
+                # what lets a fast-tracking accessor never validate anything.
                 ids = sorted(i for inc, i in eng.new_ids if inc == eng.incarnation)
                 eng.new_ids.clear()
                 self._send_heartbeats(now, eng, ids, out)
@@ -317,7 +370,7 @@ class Accessor:
         # answer decides. Give up only after a whole lease duration without any acknowledgement
         # (since the last acknowledged heartbeat was sent, or since tracking): the pinner is
         # then dead or unreachable, and would have expired the lease.
-        anchor = t.tracked_at if t.valid_until == _NEG_INF else t.valid_until - self.config.accessor_extension
+        anchor = t.tracked_at if t.acked_send == _NEG_INF else t.acked_send
         return anchor + self.config.kv_lease_duration
 
     # -- local calls ------------------------------------------------------------------------
@@ -368,6 +421,13 @@ class Accessor:
             # a fresh handshake settles which leases still exist.
             eng.connected = False
             eng.handshake_due = now
+        if not eng.connected:
+            if eng.handshakes and eng.handshake_for != ticket.incarnation:
+                # A reply to a handshake sent before this ticket was known may come from an
+                # earlier incarnation than the ticket's; it must not decide this lease's fate.
+                eng.handshakes.clear()
+                eng.handshake_due = now
+            eng.handshake_for = ticket.incarnation
         if ticket.kind is LeaseKind.FIXED_TTL:
             assert ticket.deadline is not None
             eng.deadlines[lkey] = ticket.deadline
@@ -417,7 +477,7 @@ class Accessor:
         if t.kind is LeaseKind.FIXED_TTL:
             self._refresh_fixed(now, eng, t)
         valid = None if t.valid_until == _NEG_INF else LocalTime(t.valid_until)
-        guaranteed = valid is not None and now + self.config.access_time_local <= valid
+        guaranteed = valid is not None and now + eng.terms.access_time_local <= valid
         if t.push and not guaranteed:
             return AccessDecision(
                 False, False, valid, "validity window does not cover the access-time bound", engine_id=eng.engine_id
@@ -428,8 +488,8 @@ class Accessor:
         layout = self._layout(eng)
         # Not covered for the whole access: the attached notification asks the pinner to confirm.
         t.attached_confirm = not guaranteed
-        note = self._access_done(t, not guaranteed, now)
-        return AccessDecision(True, guaranteed, valid, "", note, tuple(layout.targets), eng.engine_id)
+        notes = tuple(self._access_done(t, not guaranteed, now, r) for r in layout.targets)
+        return AccessDecision(True, guaranteed, valid, "", notes, tuple(layout.targets), eng.engine_id)
 
     def access_failed(self, now: LocalTime, key: str, *, posted: bool = True) -> tuple[AccessorOutput, ...]:
         """The transfer failed at the transport.
@@ -453,7 +513,9 @@ class Accessor:
             heapq.heappush(self._checks, (self._lapse_time(t), key))
             return ()
         self._forget(t)
-        return (*self._release(t), LeaseLost(key, t.lease_id, LostReason.ACCESS_FAILED))
+        # `posted`: a WRITE of this attempt may still land, so a push lease's memory is kept to
+        # its expiry and the push guard rather than freed on this Release (spec §5.9).
+        return (*self._release(t, posted=True), LeaseLost(key, t.lease_id, LostReason.ACCESS_FAILED))
 
     def access_finished(self, now: LocalTime, key: str, *, notified: bool = False) -> tuple[AccessorOutput, ...]:
         """The READ/WRITE finished. Reports it complete only if it provably did not overlap a
@@ -470,22 +532,22 @@ class Accessor:
         targets = self._layout(eng).targets
         if t.state is TrackedState.LOST:
             self._forget(t)
-            done = self._access_done(t, False, now)
-            sends = () if notified else tuple(Send(eng.engine_id, r, done) for r in targets)
+            sends = () if notified else tuple(Send(eng.engine_id, r, self._access_done(t, False, now, r)) for r in targets)
             return (*sends, AccessStale(key, t.lease_id, "the lease was lost during the access"))
         if t.kind is LeaseKind.FIXED_TTL:
             self._refresh_fixed(now, eng, t)
         covered = now < t.valid_until
-        done = self._access_done(t, not covered, now)
         resend = not notified or (not covered and not t.attached_confirm)
-        out: list[AccessorOutput] = [Send(eng.engine_id, r, done) for r in targets] if resend else []
+        out: list[AccessorOutput] = (
+            [Send(eng.engine_id, r, self._access_done(t, not covered, now, r)) for r in targets] if resend else []
+        )
         if covered:
             self._forget(t)
             out.append(AccessCompleted(key, t.lease_id, confirmed_by_pinner=False))
         else:
             t.state = TrackedState.CONFIRMING
             t.confirm_pending = set(targets)
-            t.confirm_deadline = now + self.config.accessor_extension
+            t.confirm_deadline = now + eng.terms.accessor_extension
             heapq.heappush(self._checks, (t.confirm_deadline, key))
             if not resend and t.early_verdicts:
                 for rank, outcome in t.early_verdicts.items():
@@ -553,14 +615,27 @@ class Accessor:
         why = layout_error(reply.ranks, self.ranks, self.rank)
         if why is not None:
             return (Rejected(reply.engine_id, why),)
+        if not (
+            0.0 < reply.extension <= MAX_TIME
+            and 0.0 <= reply.max_drift_rate < 1.0
+            and 0.0 < reply.max_access_time <= MAX_TIME
+        ):
+            return (Rejected(reply.engine_id, "handshake reply states impossible lease terms"),)
         eng.handshakes.clear()
         out: list[AccessorOutput] = []
         for t in list(eng.leases.values()):
             if t.incarnation != reply.incarnation or t.engine.ranks != reply.ranks:
                 out.extend(self._lose(t, LostReason.PINNER_RESTARTED))
-        if eng.incarnation is not None and eng.incarnation != reply.incarnation:
+        terms = LeaseTerms.own(self.config).with_pinner(
+            self.config, reply.extension, reply.max_drift_rate, reply.max_access_time
+        )
+        if (eng.incarnation is not None and eng.incarnation != reply.incarnation) or terms != eng.terms:
+            # Another incarnation, or other terms (a restart with another config): nothing
+            # measured or promised under the old ones carries over.
             eng.outstanding.clear()
-            eng.clock = ClockOffsetEstimator(self.config.max_drift_rate, self.config.clock_sample_window)
+            eng.rounds.clear()
+            eng.clock = ClockOffsetEstimator(terms.max_drift_rate, self.config.clock_sample_window)
+        eng.terms = terms
         eng.incarnation = reply.incarnation
         eng.ranks = reply.ranks
         # Honour the pinner's bound too (some NIXL backends cap notifications near 256 B).
@@ -574,6 +649,7 @@ class Accessor:
             )
             return (*out, Rejected(reply.engine_id, why))
         eng.connected = True
+        eng.handshake_for = None
         if reply.rank == 0:
             eng.clock.add_sample(ClockSample(reply.t_echo, reply.t_recv, reply.t_send, now))
         eng.next_heartbeat = now  # heartbeat at the next handle_timeout: leases may have waited for this
@@ -604,7 +680,7 @@ class Accessor:
         rec = eng.outstanding.get(ack.seq)
         if rec is None or rec.t_send != ack.t_echo or ack.rank not in rec.pending_ranks:
             return ()  # duplicate, too old, or forged echo: carries nothing we can trust
-        if not -MAX_TIME <= ack.t_recv <= MAX_TIME:
+        if not -MAX_TIME <= ack.t_recv <= MAX_TIME or not 0.0 < ack.extension <= MAX_TIME:
             return (Rejected(ack.engine_id, "heartbeat ack carries an impossible time"),)
         out: list[AccessorOutput] = []
         if ack.incarnation != rec.incarnation:
@@ -613,6 +689,7 @@ class Accessor:
                 if t.incarnation == rec.incarnation:
                     out.extend(self._lose(t, LostReason.PINNER_RESTARTED))
             eng.outstanding.clear()
+            eng.rounds.clear()
             eng.connected = False
             eng.handshake_due = now
             return tuple(out)
@@ -648,11 +725,18 @@ class Accessor:
                 else:
                     out.extend(self._lose(lost, reason))
         rec.pending_ranks.discard(ack.rank)
+        if ack.extension < rec.extension:
+            rec.extension = ack.extension
         if ack.rank == 0 and ack.t_echo <= now:
             eng.clock.add_sample(ClockSample(ack.t_echo, ack.t_recv, ack.t_recv, now))
         if not rec.pending_ranks:
             del eng.outstanding[ack.seq]
-            valid = rec.t_send + self.config.accessor_extension
+            rnd = rec.round
+            rnd.seqs.discard(ack.seq)
+            if not rnd.seqs and eng.rounds.get(rec.round_id) is rnd:
+                del eng.rounds[rec.round_id]
+            t_send = rec.t_send
+            valid = t_send + eng.terms.validity(rec.extension)
             for lease_id in rec.ids:
                 renewed = eng.leases.get((rec.incarnation, lease_id))
                 if renewed is None or lease_id in rec.missing:
@@ -663,6 +747,8 @@ class Accessor:
                         self._refresh_fixed(now, eng, renewed)
                     continue
                 renewed.held = True
+                if t_send > renewed.acked_send:
+                    renewed.acked_send = t_send
                 if valid > renewed.valid_until:
                     renewed.valid_until = valid
         if ack.rank == 0:
@@ -739,38 +825,52 @@ class Accessor:
         """Which pinner ranks this accessor rank accesses (vLLM's heterogeneous-TP mapping)."""
         return tp_layout(eng.ranks, self.ranks, self.rank)
 
-    def _access_done(self, t: _Tracked, confirm: bool, now: float) -> AccessDone:
+    def _access_done(self, t: _Tracked, confirm: bool, now: float, to_rank: int) -> AccessDone:
         return AccessDone(
             self.engine_id,
             self.rank,
             self.ranks,
             self.session,
             t.incarnation,
+            to_rank,
             t.lease_id,
             t.attempt,
             confirm,
             LocalTime(now),
         )
 
-    def _release(self, t: _Tracked) -> tuple[AccessorOutput, ...]:
+    def _release(self, t: _Tracked, *, posted: bool = False) -> tuple[AccessorOutput, ...]:
         eng = t.engine
-        msg = Release(self.engine_id, self.rank, self.ranks, self.session, t.incarnation, (t.lease_id,))
+        msg = Release(self.engine_id, self.rank, self.ranks, self.session, t.incarnation, (t.lease_id,), posted)
         return tuple(Send(eng.engine_id, r, msg) for r in self._layout(eng).targets)
+
+    def _make_room(self, now: float, eng: _PinnerEngine, *, periodic: bool) -> bool:
+        """Forget rounds that can no longer extend anything (sent before ``now - E_a``); for a
+        periodic round also the oldest while `max_outstanding_heartbeats` rounds are
+        outstanding. Whether there is room for another round."""
+        horizon = now - eng.terms.accessor_extension
+        bound = self.config.max_outstanding_heartbeats
+        rounds = eng.rounds
+        while rounds:
+            round_id, rnd = next(iter(rounds.items()))
+            if not (rnd.t_send < horizon or (periodic and len(rounds) >= bound)):
+                break
+            del rounds[round_id]
+            for seq in rnd.seqs:
+                eng.outstanding.pop(seq, None)
+        return len(rounds) < bound
 
     def _send_heartbeats(self, now: float, eng: _PinnerEngine, ids: list[int], out: list[AccessorOutput]) -> None:
         assert eng.incarnation is not None
         budget = heartbeat_id_budget(eng.max_message_bytes - self.config.frame_overhead, self.engine_id, eng.engine_id)
-        # Forget rounds that can no longer extend anything, and bound the rest.
-        horizon = now - self.config.accessor_extension
-        while eng.outstanding and (
-            len(eng.outstanding) >= self.config.max_outstanding_heartbeats
-            or next(iter(eng.outstanding.values())).t_send < horizon
-        ):
-            eng.outstanding.popitem(last=False)
         targets = self._layout(eng).targets
+        rnd = _Round(now)
+        round_id = self._seq + 1
+        eng.rounds[round_id] = rnd
         for chunk in split_ids(ids, budget):
             seq = self._next_seq()
-            eng.outstanding[seq] = _Outstanding(now, eng.incarnation, chunk, targets)
+            rnd.seqs.add(seq)
+            eng.outstanding[seq] = _Outstanding(now, eng.incarnation, chunk, targets, rnd, round_id)
             hb = Heartbeat(
                 self.engine_id, self.rank, self.ranks, self.session, eng.incarnation, seq, LocalTime(now), chunk
             )

@@ -41,6 +41,7 @@ __all__ = [
     "MAX_DECODE_BYTES",
     "MAX_ENGINE_ID_BYTES",
     "MIN_ID_BUDGET",
+    "chunk_cost",
     "decode",
     "encode",
     "heartbeat_id_budget",
@@ -82,6 +83,8 @@ _TIME: Final = "time"  # finite float, |t| <= MAX_TIME
 _BOOL: Final = "bool"
 _IDS: Final = "ids"  # strictly increasing uint64 list, delta-encoded
 _OUTCOME: Final = "outcome"  # AccessOutcome
+_DUR: Final = "duration"  # finite number d, 0 < d <= MAX_TIME (a pinner's stated term)
+_RATE: Final = "rate"  # finite number in [0, 1) (a stated drift bound)
 
 #: Every message's fields after [version, type], in wire order: (attribute, kind).
 _FIELDS: Final[dict[int, tuple[tuple[str, str], ...]]] = {
@@ -103,6 +106,9 @@ _FIELDS: Final[dict[int, tuple[tuple[str, str], ...]]] = {
         ("version", _UINT),
         ("capabilities", _UINT),
         ("max_message_bytes", _MMB),
+        ("extension", _DUR),
+        ("max_drift_rate", _RATE),
+        ("max_access_time", _DUR),
         ("to_rank", _UINT),
         ("to_session", _UINT),
         ("seq", _UINT),
@@ -129,6 +135,7 @@ _FIELDS: Final[dict[int, tuple[tuple[str, str], ...]]] = {
         ("seq", _UINT),
         ("t_echo", _TIME),
         ("t_recv", _TIME),
+        ("extension", _DUR),
         ("renewed", _UINT),
         ("unknown", _IDS),
         ("expired", _IDS),
@@ -141,6 +148,7 @@ _FIELDS: Final[dict[int, tuple[tuple[str, str], ...]]] = {
         ("ranks", _RANKS),
         ("session", _UINT),
         ("incarnation", _UINT),
+        ("to_rank", _UINT),
         ("lease_id", _UINT),
         ("attempt", _UINT),
         ("confirm", _BOOL),
@@ -163,6 +171,7 @@ _FIELDS: Final[dict[int, tuple[tuple[str, str], ...]]] = {
         ("session", _UINT),
         ("incarnation", _UINT),
         ("lease_ids", _IDS),
+        ("posted", _BOOL),
     ),
 }
 
@@ -212,14 +221,29 @@ def heartbeat_id_budget(max_message_bytes: int, accessor_id: str, pinner_id: str
     ``52 + len(accessor_id) + C`` bytes (every fixed field at its widest). An ack spreads the
     same ids over four lists: each list costs at most a 5-byte header and a 9-byte first id,
     and every other id's gap inside its list is at most its distance from the chunk's first
-    id, so the lists take at most ``C + 50`` bytes and the ack at most
-    ``114 + len(pinner_id) + C``. (Counting gaps from the first id, not from the predecessor,
+    id, so the lists take at most ``C + 50`` bytes and the ack (whose fixed fields, the
+    stated extension and a 3-byte array header included, cost at most 75 bytes plus the engine id) at most
+    ``ACK_FIXED_BYTES + len(pinner_id) + C`` = ``125 + len(pinner_id) + C``. (Counting gaps from the first id, not from the predecessor,
     is what makes the ack bound hold: splitting sorted ids over four lists can widen every gap
     by a size class.)
     """
     acc = len(accessor_id.encode("utf-8", "surrogatepass"))
     pin = len(pinner_id.encode("utf-8", "surrogatepass"))
-    return max_message_bytes - max(52 + acc, 114 + pin)
+    return max_message_bytes - max(HEARTBEAT_FIXED_BYTES + acc, ACK_FIXED_BYTES + pin)
+
+
+#: The widest fixed fields of a heartbeat, and of an ack plus its four list headers and first
+#: ids: the constants of the split rule (spec §4.3).
+HEARTBEAT_FIXED_BYTES: Final = 52
+ACK_FIXED_BYTES: Final = 125
+
+
+def chunk_cost(ids: Sequence[int]) -> int:
+    """The split rule's cost of one chunk of sorted ids (see `split_ids`); 0 for no ids."""
+    if not ids:
+        return 0
+    first = ids[0]
+    return 5 + uint_size(first) + sum(uint_size(v - first) for v in ids[1:])
 
 
 #: The smallest id budget that still carries a full-size (9-byte) id.
@@ -326,6 +350,10 @@ def _fast_time(v: object) -> bool:
     return type(v) is float and -MAX_TIME <= v <= MAX_TIME
 
 
+def _fast_duration(v: object) -> bool:
+    return type(v) is float and 0.0 < v <= MAX_TIME
+
+
 def _fast_ranks(rank: object, ranks: object) -> bool:
     return type(rank) is int and type(ranks) is int and 0 <= rank < _U16 and 1 <= ranks <= _U16
 
@@ -383,6 +411,7 @@ def _fast_encode_body(msg: Message) -> list[Any] | None:
             and _fast_uint(msg.seq)
             and _fast_time(msg.t_echo)
             and _fast_time(msg.t_recv)
+            and _fast_duration(msg.extension)
             and _fast_uint(msg.renewed)
         ):
             unknown, expired = _fast_pack_ids(msg.unknown), _fast_pack_ids(msg.expired)
@@ -399,6 +428,7 @@ def _fast_encode_body(msg: Message) -> list[Any] | None:
                     msg.seq,
                     msg.t_echo,
                     msg.t_recv,
+                    msg.extension,
                     msg.renewed,
                     unknown,
                     expired,
@@ -412,6 +442,7 @@ def _fast_encode_body(msg: Message) -> list[Any] | None:
             and _fast_ranks(msg.rank, msg.ranks)
             and _fast_uint(msg.session)
             and _fast_uint(msg.incarnation)
+            and _fast_uint(msg.to_rank)
             and _fast_uint(msg.lease_id)
             and _fast_uint(msg.attempt)
             and type(msg.confirm) is bool
@@ -425,6 +456,7 @@ def _fast_encode_body(msg: Message) -> list[Any] | None:
                 msg.ranks,
                 msg.session,
                 msg.incarnation,
+                msg.to_rank,
                 msg.lease_id,
                 msg.attempt,
                 msg.confirm,
@@ -472,6 +504,14 @@ def _encode_field(name: str, kind: str, v: Any) -> Any:
         return v
     if kind == _TIME:
         return _check_time(name, v)
+    if kind == _DUR:
+        if _check_time(name, v) <= 0.0:
+            raise EncodeError(f"{name} must be a positive duration, got {v!r}")
+        return float(v)
+    if kind == _RATE:
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0.0 <= v < 1.0:
+            raise EncodeError(f"{name} must be a finite number in [0, 1), got {v!r}")
+        return float(v)
     if kind == _BOOL:
         if not isinstance(v, bool):
             raise EncodeError(f"{name} must be a bool, got {v!r}")
@@ -545,6 +585,14 @@ def _decode_field(what: str, kind: str, v: Any) -> Any:
         if not isinstance(v, float | int) or isinstance(v, bool) or not math.isfinite(v) or abs(v) > MAX_TIME:
             raise DecodeError(f"{what}: expected a finite float within +-{MAX_TIME:.0f}, got {v!r}", category="field")
         return float(v)
+    if kind == _DUR:
+        if not isinstance(v, float | int) or isinstance(v, bool) or not math.isfinite(v) or not 0 < v <= MAX_TIME:
+            raise DecodeError(f"{what}: expected a duration in (0, {MAX_TIME:.0f}], got {v!r}", category="field")
+        return float(v)
+    if kind == _RATE:
+        if not isinstance(v, float | int) or isinstance(v, bool) or not 0 <= v < 1:
+            raise DecodeError(f"{what}: expected a rate in [0, 1), got {v!r}", category="field")
+        return float(v)
     if kind == _BOOL:
         if not isinstance(v, bool):
             raise DecodeError(f"{what}: expected a boolean, got {v!r}", category="field")
@@ -583,7 +631,7 @@ def _fast_heartbeat(items: list[Any]) -> Message | None:
 
 
 def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
-    _, _, engine, rank, inc, to_rank, to_session, seq, t_echo, t_recv, renewed, u, e, r, c = items
+    _, _, engine, rank, inc, to_rank, to_session, seq, t_echo, t_recv, extension, renewed, u, e, r, c = items
     if (
         _fast_engine(engine)
         and _fast_uint(rank)
@@ -593,6 +641,7 @@ def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
         and _fast_uint(seq)
         and _fast_time(t_echo)
         and _fast_time(t_recv)
+        and _fast_duration(extension)
         and _fast_uint(renewed)
     ):
         # An ack's four lists are usually empty.
@@ -610,6 +659,7 @@ def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
                 seq,
                 t_echo,
                 t_recv,
+                extension,
                 renewed,
                 unknown,
                 expired,
@@ -620,18 +670,19 @@ def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
 
 
 def _fast_access_done(items: list[Any]) -> Message | None:
-    _, _, engine, rank, ranks, session, inc, lease_id, attempt, confirm, t_send = items
+    _, _, engine, rank, ranks, session, inc, to_rank, lease_id, attempt, confirm, t_send = items
     if (
         _fast_engine(engine)
         and _fast_ranks(rank, ranks)
         and _fast_uint(session)
         and _fast_uint(inc)
+        and _fast_uint(to_rank)
         and _fast_uint(lease_id)
         and _fast_uint(attempt)
         and type(confirm) is bool
         and _fast_time(t_send)
     ):
-        return AccessDone(engine, rank, ranks, session, inc, lease_id, attempt, confirm, t_send)
+        return AccessDone(engine, rank, ranks, session, inc, to_rank, lease_id, attempt, confirm, t_send)
     return None
 
 

@@ -14,10 +14,13 @@ import attrs
 
 from ._errors import ConfigError
 
-__all__ = ["MIN_MESSAGE_BYTES", "MIN_VALIDITY_MARGIN", "LeaseConfig"]
+__all__ = ["MIN_ACCESS_TIME", "MIN_MESSAGE_BYTES", "MIN_VALIDITY_MARGIN", "LeaseConfig"]
 
 #: The smallest `validity_margin`, seconds (see the field).
 MIN_VALIDITY_MARGIN = 1e-3
+#: The smallest `max_access_time`, seconds: with 0 the push guard is empty (a WRITE approved at
+#: ``now == valid_until``) and the quarantine keeps nothing, so no access bound is meaningful.
+MIN_ACCESS_TIME = 1e-3
 #: The smallest `max_message_bytes`: a heartbeat chunk and the ack answering it, with short
 #: engine ids, still fit under the ~256-byte notification cap of some NIXL backends.
 MIN_MESSAGE_BYTES = 192
@@ -97,7 +100,7 @@ class LeaseConfig:
     #: Upper bound on the duration of one access (an RDMA READ or WRITE of one request's blocks),
     #: in seconds of real time. Push-mode writes are only started when the accessor's validity
     #: window covers it, and the pinner keeps pushed-into memory this long after expiry.
-    max_access_time: float = attrs.field(default=2.0, validator=_finite_range(0.0, 3600.0))
+    max_access_time: float = attrs.field(default=2.0, validator=_finite_range(MIN_ACCESS_TIME, 3600.0))
     #: Extra safety margin the accessor subtracts from every validity window, seconds. At least
     #: `MIN_VALIDITY_MARGIN` (1 ms): the safety lemma needs m > 0 to absorb float rounding at the
     #: magnitudes of real clock readings (spec §7).

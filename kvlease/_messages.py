@@ -31,7 +31,7 @@ __all__ = [
     "Release",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class LeaseKind(enum.IntEnum):
@@ -94,6 +94,12 @@ class HandshakeReply:
     version: int
     capabilities: int
     max_message_bytes: int
+    # The terms this pinner enforces (its own LeaseConfig), which the accessor's validity and
+    # push guard must not exceed: how far a renewal extends a lease (seconds, pinner clock), the
+    # drift bound it assumes, and the access-time bound its push quarantine keeps.
+    extension: float
+    max_drift_rate: float
+    max_access_time: float
     to_rank: int  # the handshake's sender rank
     to_session: int  # the handshake's session
     seq: int  # the handshake's seq
@@ -132,6 +138,9 @@ class HeartbeatAck:
     seq: int  # the heartbeat's seq
     t_echo: LocalTime  # the heartbeat's t_send, echoed back: the accessor's own clock
     t_recv: PeerTime  # the pinner's clock when it handled the heartbeat
+    #: How far this pinner rank extends a lease on a renewal (seconds of its clock): the
+    #: accessor's validity from the round never exceeds it, whatever its own config says.
+    extension: float
     renewed: int  # how many of the heartbeat's ids were live and renewed (or fixed and held)
     unknown: tuple[int, ...] = ()  # never granted here, forgotten, or held for another accessor
     expired: tuple[int, ...] = ()
@@ -148,6 +157,9 @@ class AccessDone:
     ranks: int  # the accessor engine's TP size: the pinner derives `expected` from the layout
     session: int
     incarnation: int
+    #: The pinner rank this access-done is for: each part of a multi-part access carries its
+    #: own, so a part's notification delivered to a sibling rank counts nothing there.
+    to_rank: int
     lease_id: int
     attempt: int  # the seq of the `begin_access` this access-done reports, echoed in the verdict
     confirm: bool  # ask for an `AccessDoneAck` (the access was not covered by validity)
@@ -179,6 +191,9 @@ class Release:
     session: int
     incarnation: int
     lease_ids: tuple[int, ...]  # strictly increasing
+    #: A transfer this rank posted may still land (a posted, failed access): the pinner keeps
+    #: a push lease's memory to its expiry and the push guard instead of freeing it now.
+    posted: bool = False
 
 
 Message = Handshake | HandshakeReply | Heartbeat | HeartbeatAck | AccessDone | AccessDoneAck | Release

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import attrs
 
 from ._clock import LocalTime, PeerTime, check_time
-from ._codec import MIN_ID_BUDGET, heartbeat_id_budget
+from ._codec import MAX_IDS, MIN_ID_BUDGET, chunk_cost, heartbeat_id_budget
 from ._config import LeaseConfig
 from ._errors import ConfigError, LocalProtocolError
 from ._events import EndReason, Free, PinnerOutput, Rejected, Send
@@ -87,6 +87,7 @@ class _Lease:
         "done",
         "expected",
         "expiry",
+        "hold",
         "key",
         "kind",
         "lease_id",
@@ -110,6 +111,9 @@ class _Lease:
         # from the start for fixed-TTL leases (the ticket carries the deadline).
         self.promised = kind is _FIXED_TTL
         self.released = False  # ends as RELEASED rather than EXPIRED
+        # A counted posted Release of a push lease: a WRITE of that accessor rank may still
+        # land, so counting never ends the lease; it ends at its expiry plus the push guard.
+        self.hold = False
         # Binding: the accessor engine, and each of its ranks' session, that first spoke for
         # this lease (renewal, access-done or release). Nobody else may renew or end it. The
         # first rank is kept in slots (the common case: one accessor rank per pinner rank),
@@ -157,6 +161,15 @@ def _to_releasing(lease: _Lease) -> None:
 def _flag_released(lease: _Lease) -> None:
     """A counted accessor `Release`: the lease ends as RELEASED whatever ends it."""
     lease.released = True
+
+
+def _to_held(lease: _Lease) -> None:
+    """ACTIVE/RELEASING -> RELEASING, held: a counted posted Release of a push lease. A WRITE
+    posted under it may still land, so neither counting nor a release frees it before its
+    expiry and the push guard (which bound every WRITE the accessor started in time)."""
+    lease.state = _RELEASING
+    lease.released = True
+    lease.hold = True
 
 
 def _to_quarantined(lease: _Lease, guard: float) -> None:
@@ -249,6 +262,11 @@ class Pinner:
         self.config = config
         self.engine_id = engine_id
         self.incarnation = incarnation
+        # The id budget of a heartbeat whose ack fits this pinner's bound (spec §4.3): a larger
+        # one is refused, so no ack this pinner sends can exceed max_message_bytes.
+        self._ack_budget = budget
+        # A heartbeat of at most this many ids fits the budget whatever its ids (5 + 9 n).
+        self._ack_ids_always_fit = min((budget - 5) // 9, MAX_IDS)
         self.rank = rank
         self.ranks = ranks
         self.counters = PinnerCounters()
@@ -461,6 +479,9 @@ class Pinner:
             version=PROTOCOL_VERSION,
             capabilities=int(caps),
             max_message_bytes=self.config.max_message_bytes,
+            extension=self.config.lease_extension,
+            max_drift_rate=self.config.max_drift_rate,
+            max_access_time=self.config.max_access_time,
             to_rank=message.rank,
             to_session=message.session,
             seq=message.seq,
@@ -543,6 +564,13 @@ class Pinner:
         bad = self._layout_rejection(msg.engine_id, "heartbeat", msg.rank, msg.ranks)
         if bad is not None:
             return (bad,)
+        ids = msg.lease_ids
+        if len(ids) > self._ack_ids_always_fit and chunk_cost(ids) > self._ack_budget:
+            # Its ack could exceed our bound: an honest accessor splits by the smaller of both
+            # bounds (spec §4.3) and never sends this. No ack, so nothing oversized is built.
+            self.counters.rejected += 1
+            why = f"heartbeat of {len(ids)} ids costs more than the {self._ack_budget}-byte id budget of its ack"
+            return (Rejected(msg.engine_id, why),)
         out: list[PinnerOutput] = []
         renewed, unknown, expired, released, completed, foreign = self._renew(
             now, msg.incarnation, msg.lease_ids, msg.engine_id, msg.rank, msg.session, msg.seq
@@ -560,6 +588,7 @@ class Pinner:
             seq=msg.seq,
             t_echo=msg.t_send,
             t_recv=PeerTime(now),
+            extension=self.config.lease_extension,
             renewed=renewed,
             unknown=tuple(unknown),
             expired=tuple(expired),
@@ -639,6 +668,12 @@ class Pinner:
         bad = self._layout_rejection(msg.engine_id, "access-done", msg.rank, msg.ranks)
         if bad is not None:
             return (bad,)
+        if msg.to_rank != self.rank:
+            # One part's notification delivered to a sibling rank: that rank's own part may
+            # still be running, so it counts nothing here (and draws no verdict).
+            self.counters.rejected += 1
+            why = f"access-done for pinner rank {msg.to_rank} delivered to rank {self.rank}"
+            return (Rejected(msg.engine_id, why),)
         out: list[PinnerOutput] = []
         expected = tp_layout(self.ranks, msg.ranks, msg.rank).expected
         outcome = self._count_access(
@@ -700,6 +735,7 @@ class Pinner:
         out: list[PinnerOutput],
         *,
         release: bool = False,
+        hold: bool = False,
     ) -> bool:
         """Count accessor rank `rank` of `sender` as finished with the lease (an access-done,
         or with `release` a Release, which counts like an access-done without data); end the
@@ -717,7 +753,9 @@ class Pinner:
             out.append(Rejected(sender, why))
             return False
         self._bind(lease, sender, rank, session)
-        if release:
+        if hold:
+            _to_held(lease)
+        elif release:
             _flag_released(lease)
         self._count_pseudo_rank(now, lease, rank, expected, out)
         return True
@@ -728,7 +766,7 @@ class Pinner:
         lease.expected = expected
         done = (lease.done or frozenset()) | {rank}
         lease.done = done
-        if len(done) >= expected:
+        if len(done) >= expected and not lease.hold:
             out.append(self._end(lease, _end_reason(lease, EndReason.ACCESS_DONE), now))
 
     def _on_release(self, now: LocalTime, msg: Release) -> tuple[PinnerOutput, ...]:
@@ -745,7 +783,18 @@ class Pinner:
                 continue  # ended, or expired: expiry frees it
             # The lease ends only when every expected accessor rank has finished or released,
             # so one rank's abort never frees memory another rank may be reading.
-            self._count_rank(now, lease, "release", msg.engine_id, msg.rank, msg.session, expected, out, release=True)
+            self._count_rank(
+                now,
+                lease,
+                "release",
+                msg.engine_id,
+                msg.rank,
+                msg.session,
+                expected,
+                out,
+                release=True,
+                hold=msg.posted and lease.push,
+            )
         return tuple(out)
 
     # -- vLLM compatibility -----------------------------------------------------------------

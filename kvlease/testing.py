@@ -603,7 +603,7 @@ class MeshAccess:
     lease_id: int
     begin: float
     targets: tuple[int, ...]
-    notification: bytes
+    notifications: dict[int, bytes]  # pinner rank -> the access-done attached to its part
     attempt: int
     end: float | None = None
 
@@ -705,17 +705,16 @@ class Mesh:
         acc = self.accessors[engine, rank]
         decision = acc.begin_access(self.now_a(engine), key)
         if decision.allowed:
-            assert decision.notification is not None
-            lease_id = decision.notification.lease_id
+            first = decision.notifications[0]
             self.accesses[engine, rank, key] = MeshAccess(
                 engine,
                 rank,
                 key,
-                lease_id,
+                first.lease_id,
                 self.real,
                 decision.targets,
-                encode(decision.notification),
-                decision.notification.attempt,
+                {q: encode(decision.notification_for(q)) for q in decision.targets},
+                first.attempt,
             )
         return decision
 
@@ -727,7 +726,7 @@ class Mesh:
         self.finished[engine, rank, key] = access
         if notified:
             for q in access.targets:
-                self._send(True, self.PINNER, q, access.notification)
+                self._send(True, self.PINNER, q, access.notifications[q])
         acc = self.accessors[engine, rank]
         self._accessor_outputs(engine, rank, acc.access_finished(self.now_a(engine), key, notified=notified))
 
@@ -738,7 +737,7 @@ class Mesh:
         access.end = self.real
         if landed:
             for q in access.targets:
-                self._deliver(MeshMessage(-1, True, self.PINNER, q, access.notification, self.real, self.real))
+                self._deliver(MeshMessage(-1, True, self.PINNER, q, access.notifications[q], self.real, self.real))
         acc = self.accessors[engine, rank]
         self._accessor_outputs(engine, rank, acc.access_failed(self.now_a(engine), key, posted=posted))
 

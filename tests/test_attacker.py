@@ -236,11 +236,11 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         s0 = random.getrandbits(64)
         t0 = time.monotonic() - 100.0
         seqs = (1, 2, 3, 1 << 40)
-        to_p: list[Message] = [AccessDone("D", 0, 1, s0, inc, i, 7 + i, i % 2 == 0, LocalTime(t0)) for i in ids]
+        to_p: list[Message] = [AccessDone("D", 0, 1, s0, inc, 0, i, 7 + i, i % 2 == 0, LocalTime(t0)) for i in ids]
         to_p.append(Release("D", 0, 1, s0, inc, tuple(ids)))
         to_p += [Heartbeat("D", 0, 1, s0, inc, q, LocalTime(t0 + q % 97), tuple(ids)) for q in seqs]
         to_d: list[Message] = [
-            HeartbeatAck("P", 0, inc, 0, s0, q, LocalTime(t0 + q), PeerTime(t0 + q), 0, expired=tuple(ids))
+            HeartbeatAck("P", 0, inc, 0, s0, q, LocalTime(t0 + q), PeerTime(t0 + q), 86400.0, 0, expired=tuple(ids))
             for q in seqs[:3]
         ]
         to_d.append(
@@ -251,7 +251,7 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
                 random.getrandbits(63),
                 PROTOCOL_VERSION,
                 7,
-                1024,
+                1024, 86400.0, 0.0, 1e-3,
                 0,
                 s0,
                 1,

@@ -181,9 +181,9 @@ def test_a_keyed_driver_drops_and_counts_what_is_not_sealed_with_its_key(monkeyp
         d.track("req-1", ticket, address=p.transport.address)
         _pump([p, d], lambda: d.accessor is not None and d.accessor.valid_until("req-1") is not None)
         forged = [
-            encode(AccessDone("D", 0, 1, 11, ticket.incarnation, ticket.lease_id, 1, False, LocalTime(1.0))),
+            encode(AccessDone("D", 0, 1, 11, ticket.incarnation, 0, ticket.lease_id, 1, False, LocalTime(1.0))),
             FrameAuth([K2]).seal(
-                encode(AccessDone("D", 0, 1, 11, ticket.incarnation, ticket.lease_id, 1, False, LocalTime(1.0)))
+                encode(AccessDone("D", 0, 1, 11, ticket.incarnation, 0, ticket.lease_id, 1, False, LocalTime(1.0)))
             ),
             encode_vllm_heartbeat(["req-1"]),
         ]

@@ -45,7 +45,7 @@ def _hb(ids: tuple[int, ...], *, engine: str = "decode-0", session: int = S_REAL
 
 
 def _done(lid: int, *, engine: str = "decode-0", session: int = S_REAL, confirm: bool = False) -> AccessDone:
-    return AccessDone(engine, 0, 1, session, INC, lid, 1, confirm, LocalTime(2.0))
+    return AccessDone(engine, 0, 1, session, INC, 0, lid, 1, confirm, LocalTime(2.0))
 
 
 def _ack(out: tuple[PinnerOutput, ...]) -> HeartbeatAck:

@@ -207,7 +207,7 @@ def test_the_frame_is_the_fields_in_constructor_order(msg: Message) -> None:
             0,
             0,
             0,
-            1,
+            1, 86400.0, 0.0, 1e-3,
             0,
             0,
             0,
@@ -216,7 +216,7 @@ def test_the_frame_is_the_fields_in_constructor_order(msg: Message) -> None:
             PeerTime(0.0),
         ),
         HandshakeReply(
-            "p", 1, MAX_RANKS, 2, 3, 4, U64_MAX, 5, U64_MAX, 6, LocalTime(1.0), PeerTime(2.0), PeerTime(3.0)
+            "p", 1, MAX_RANKS, 2, 3, 4, U64_MAX, 86400.0, 0.0, 1e-3, 5, U64_MAX, 6, LocalTime(1.0), PeerTime(2.0), PeerTime(3.0)
         ),
         Heartbeat("d", 65535, MAX_RANKS, U64_MAX, U64_MAX, U64_MAX, LocalTime(MAX_TIME), (0, 1, U64_MAX)),
         Heartbeat("d", 0, 1, 0, 0, 0, LocalTime(0.0), ()),
@@ -228,14 +228,14 @@ def test_the_frame_is_the_fields_in_constructor_order(msg: Message) -> None:
             U64_MAX,
             U64_MAX,
             LocalTime(-MAX_TIME),
-            PeerTime(MAX_TIME),
+            PeerTime(MAX_TIME), 86400.0,
             U64_MAX,
             (0,),
             (1,),
             (U64_MAX - 1,),
             (U64_MAX,),
         ),
-        AccessDone("d", 0, MAX_RANKS, U64_MAX, 0, U64_MAX, U64_MAX, True, LocalTime(MAX_TIME)),
+        AccessDone("d", 0, MAX_RANKS, U64_MAX, 0, 0, U64_MAX, U64_MAX, True, LocalTime(MAX_TIME)),
         AccessDoneAck("p", 0, 0, 65535, U64_MAX, U64_MAX, 0, AccessOutcome.UNKNOWN),
         Release("d", 3, 4, 5, 6, (U64_MAX,)),
     ],
@@ -358,25 +358,25 @@ BAD_ENCODES: list[tuple[Message, str]] = [
     (Heartbeat("e", 0, 1, 0, 0, 0, LocalTime(0.0), (-1,)), "uint64"),
     (Release("e", 0, 1, 0, 0, (2**64,)), "uint64"),
     (Release("e", 0, 0, 0, 0, (1,)), "ranks"),
-    (HeartbeatAck("e", 0, 0, 0, 0, 0, LocalTime(0.0), PeerTime(-math.inf), 0), "t_recv"),
-    (HeartbeatAck("e", 0, 0, 0, 0, 0, LocalTime(2.0**33), PeerTime(0.0), 0), "t_echo"),
-    (HeartbeatAck("e", 0, 0, -1, 0, 0, LocalTime(0.0), PeerTime(0.0), 0), "to_rank"),
-    (HeartbeatAck("e", 0, 0, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), 0, (2, 1)), "strictly increasing"),
-    (AccessDone("e", 0, 1, 0, 0, -5, 1, False, LocalTime(0.0)), "lease_id"),
-    (AccessDone("e", 0, 1, 0, 0, 5, -1, False, LocalTime(0.0)), "attempt"),
-    (AccessDone("e", 0, MAX_RANKS + 1, 0, 0, 5, 1, False, LocalTime(0.0)), "ranks"),
-    (AccessDone("e", 0, 1, 0, 0, 5, 1, 1, LocalTime(0.0)), "confirm"),  # type: ignore[arg-type]  # on purpose
+    (HeartbeatAck("e", 0, 0, 0, 0, 0, LocalTime(0.0), PeerTime(-math.inf), 86400.0, 0), "t_recv"),
+    (HeartbeatAck("e", 0, 0, 0, 0, 0, LocalTime(2.0**33), PeerTime(0.0), 86400.0, 0), "t_echo"),
+    (HeartbeatAck("e", 0, 0, -1, 0, 0, LocalTime(0.0), PeerTime(0.0), 86400.0, 0), "to_rank"),
+    (HeartbeatAck("e", 0, 0, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), 86400.0, 0, (2, 1)), "strictly increasing"),
+    (AccessDone("e", 0, 1, 0, 0, 0, -5, 1, False, LocalTime(0.0)), "lease_id"),
+    (AccessDone("e", 0, 1, 0, 0, 0, 5, -1, False, LocalTime(0.0)), "attempt"),
+    (AccessDone("e", 0, MAX_RANKS + 1, 0, 0, 0, 5, 1, False, LocalTime(0.0)), "ranks"),
+    (AccessDone("e", 0, 1, 0, 0, 0, 5, 1, 1, LocalTime(0.0)), "confirm"),  # type: ignore[arg-type]  # on purpose
     (AccessDoneAck("e", 0, 0, 0, 0, 1.5, 1, AccessOutcome.OK), "lease_id"),  # type: ignore[arg-type]  # on purpose
     (AccessDoneAck("e", 0, 0, 0, 2**64, 1, 1, AccessOutcome.OK), "to_session"),
     (AccessDoneAck("e", 0, 0, 0, 0, 1, 1, 0), "outcome"),  # type: ignore[arg-type]  # on purpose
     (Handshake("e", 0, 1, 1, 1, -1, 0, LocalTime(0.0)), "capabilities"),
     (Handshake("e", 0, 0, 1, 1, 0, 0, LocalTime(0.0)), "ranks"),
     (
-        HandshakeReply("e", 0, 1, 0, 1, 0, 0, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), PeerTime(0.0)),
+        HandshakeReply("e", 0, 1, 0, 1, 0, 0, 86400.0, 0.0, 1e-3, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), PeerTime(0.0)),
         "max_message_bytes",
     ),
     (
-        HandshakeReply("e", 0, 1, 0, 1, 0, 1024, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), PeerTime(math.nan)),
+        HandshakeReply("e", 0, 1, 0, 1, 0, 1024, 86400.0, 0.0, 1e-3, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), PeerTime(math.nan)),
         "t_send",
     ),
 ]

@@ -158,7 +158,7 @@ def _ack(hb: Heartbeat, t: float, renewed: int, **lists: tuple[int, ...]) -> Hea
         hb.session,
         hb.seq,
         LocalTime(hb.t_send),
-        PeerTime(_p(t)),  # the pinner's clock, as the accessor sees it
+        PeerTime(_p(t)), 86400.0,  # the pinner's clock, as the accessor sees it
         renewed,
         unknown=lists.get("unknown", ()),
         expired=lists.get("expired", ()),
@@ -238,7 +238,7 @@ def _reply_to(hs: Handshake, *, ranks: int = 1) -> HandshakeReply:
         incarnation=INC,
         version=PROTOCOL_VERSION,
         capabilities=7,
-        max_message_bytes=1024,
+        max_message_bytes=1024, extension=86400.0, max_drift_rate=0.0, max_access_time=1e-3,
         to_rank=hs.rank,
         to_session=hs.session,
         seq=hs.seq,
@@ -441,7 +441,7 @@ def test_acks_that_cannot_be_trusted_are_ignored_or_rejected() -> None:
     "msg",
     [
         Heartbeat(PIN, 0, 1, 5, INC, 1, LocalTime(0), ()),
-        AccessDone(PIN, 0, 1, 5, INC, 1, 1, False, LocalTime(0)),
+        AccessDone(PIN, 0, 1, 5, INC, 0, 1, 1, False, LocalTime(0)),
         Release(PIN, 0, 1, 5, INC, (1,)),
         Handshake(PIN, 0, 1, 5, PROTOCOL_VERSION, 0, 1, LocalTime(0)),
     ],
@@ -672,7 +672,7 @@ def test_access_failed_posted_gives_the_lease_up_with_a_release_to_every_target(
     d = acc.begin_access(_a(0.1), "k")
     assert d.allowed and d.targets == (0, 1) and d.engine_id == PIN
     out = acc.access_failed(_a(0.2), "k")  # posted=True is the default
-    rel = Release("decode-0", 0, 1, SESSION, INC, (tk.lease_id,))
+    rel = Release("decode-0", 0, 1, SESSION, INC, (tk.lease_id,), posted=True)  # a WRITE of it may still land
     assert out == (Send(PIN, 0, rel), Send(PIN, 1, rel), LeaseLost("k", tk.lease_id, LostReason.ACCESS_FAILED))
     assert acc.state_of("k") is None and not acc.begin_access(_a(0.3), "k").allowed
     for r, pin in enumerate(pins):
@@ -732,7 +732,7 @@ def test_pull_access_inside_the_window_completes_without_asking() -> None:
     assert not w.acc.begin_access(_a(1.0), "k").allowed  # already accessing
     out = w.acc.access_finished(_a(1.2), "k")
     assert out == (
-        Send(PIN, 0, AccessDone("decode-0", 0, 1, SESSION, INC, tk.lease_id, attempt, False, _a(1.2))),
+        Send(PIN, 0, AccessDone("decode-0", 0, 1, SESSION, INC, 0, tk.lease_id, attempt, False, _a(1.2))),
         AccessCompleted("k", tk.lease_id, confirmed_by_pinner=False),
     )
     assert w.acc.tracked_count == 0
@@ -1239,7 +1239,7 @@ def test_acks_stay_under_the_size_bound_when_the_pinner_id_is_longer() -> None:
         if i % 4 == 1:
             pinner.release(_p(1), tk.lease_id)
         elif i % 4 == 2:
-            pinner.receive(_p(1), AccessDone("decode-0", 0, 1, SESSION, 2**63, tk.lease_id, 1, False, _a(0)))
+            pinner.receive(_p(1), AccessDone("decode-0", 0, 1, SESSION, 2**63, 0, tk.lease_id, 1, False, _a(0)))
     (hs,) = acc.handle_timeout(_a(CFG.heartbeat_interval))
     acc.handshake_reply(_a(1), pinner.handshake_reply(_p(1), _handshake_of(hs)))
     lost: list[AccessorOutput] = []

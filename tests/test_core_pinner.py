@@ -102,8 +102,9 @@ def _done(
     ranks: int = 1,
     session: int = SES,
     attempt: int = ATTEMPT,
+    to_rank: int = 0,
 ) -> AccessDone:
-    return AccessDone(engine, rank, ranks, session, inc, lid, attempt, confirm, LocalTime(2.0))
+    return AccessDone(engine, rank, ranks, session, inc, to_rank, lid, attempt, confirm, LocalTime(2.0))
 
 
 def _rel(
@@ -383,10 +384,10 @@ def test_timeout_in_every_state_frees_once(state: str) -> None:
 def test_messages_for_the_other_side_are_rejected(msg_type: type) -> None:
     p, lid, now = _active()
     messages: dict[type, Message] = {
-        HeartbeatAck: HeartbeatAck(ACC, 0, INC, 0, SES, 1, LocalTime(0), PeerTime(0), 0),
+        HeartbeatAck: HeartbeatAck(ACC, 0, INC, 0, SES, 1, LocalTime(0), PeerTime(0), 86400.0, 0),
         AccessDoneAck: AccessDoneAck(ACC, 0, INC, 0, SES, lid, 1, AccessOutcome.OK),
         HandshakeReply: HandshakeReply(
-            ACC, 0, 1, INC, PROTOCOL_VERSION, 0, 1024, 0, SES, 1, LocalTime(0), PeerTime(0), PeerTime(0)
+            ACC, 0, 1, INC, PROTOCOL_VERSION, 0, 1024, 86400.0, 0.0, 1e-3, 0, SES, 1, LocalTime(0), PeerTime(0), PeerTime(0)
         ),
     }
     msg = messages[msg_type]
@@ -438,7 +439,7 @@ def test_expected_comes_from_the_layout() -> None:
     p = Pinner(CFG, "prefill-0", INC, rank=3, ranks=4)
     lid = p.grant(_t(0), "k").lease_id
     # Accessor TP 2: rank 1 reads pinner ranks 2 and 3, and is the only one to report here.
-    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False))
+    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False, to_rank=3))
     assert done == (Free(lid, "k", EndReason.ACCESS_DONE, _t(1)),)
     q = Pinner(CFG, "prefill-0", INC, rank=1, ranks=2)
     lid = q.grant(_t(0), "k").lease_id
@@ -461,7 +462,7 @@ def test_access_done_expected_mismatch_is_rejected() -> None:
     assert info is not None and info.accesses_done == 0
     # The layout that agrees with the grant counts.
     assert p.receive(_t(1), _done(lid, ranks=2, confirm=False)) == ()
-    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False))
+    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False, to_rank=3))
     assert done == (Free(lid, "k", EndReason.ACCESS_DONE, _t(1)),)
 
 
@@ -730,7 +731,7 @@ def _completed_by_two_ranks() -> tuple[Pinner, int]:
     p = Pinner(CFG, "prefill-0", INC)
     lid = p.grant(_t(0), "k").lease_id
     assert p.receive(_t(1), _done(lid, rank=0, ranks=2, confirm=False)) == ()
-    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False))
+    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False, to_rank=3))
     assert done == (Free(lid, "k", EndReason.ACCESS_DONE, _t(1)),)
     return p, lid
 

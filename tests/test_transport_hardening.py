@@ -51,7 +51,7 @@ def test_a_lease_granted_for_a_known_accessor_has_no_unbound_window() -> None:
         x.setsockopt(zmq.IDENTITY, b"X\x000")
         x.connect(p.transport.address)
         for t in tickets:
-            forged = AccessDone("Z", 0, 1, 1, t.incarnation, t.lease_id, 1, False, LocalTime(0.0))
+            forged = AccessDone("Z", 0, 1, 1, t.incarnation, 0, t.lease_id, 1, False, LocalTime(0.0))
             x.send_multipart([b"M", encode(forged)])
         events = _pump([p], lambda: p.stats.rejected_messages >= 10)
         assert not [e for e in events if type(e).__name__ == "Free"]

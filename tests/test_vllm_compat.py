@@ -237,7 +237,7 @@ def test_a_lease_renewed_by_vllm_refuses_a_kvlease_accessor() -> None:
     rej, send = p.receive(LocalTime(t + 1.0), _native_hb(tk.lease_id))
     assert isinstance(rej, Rejected) and isinstance(send, Send) and isinstance(send.message, HeartbeatAck)
     assert send.message.renewed == 0 and send.message.unknown == (tk.lease_id,)
-    out = p.receive(LocalTime(t + 1.0), AccessDone("decode-0", 0, 1, SES, 7, tk.lease_id, 3, True, LocalTime(2.0)))
+    out = p.receive(LocalTime(t + 1.0), AccessDone("decode-0", 0, 1, SES, 7, 0, tk.lease_id, 3, True, LocalTime(2.0)))
     assert isinstance(out[0], Rejected)
     assert out[1] == Send("decode-0", 0, AccessDoneAck("prefill", 0, 7, 0, SES, tk.lease_id, 3, AccessOutcome.STALE))
     # The vLLM peer still completes it.

@@ -33,7 +33,7 @@ back. Transfers that overrun ``transfer_timeout`` are cancelled and reported `Tr
 so an access to a dead pinner can never hang the engine.
 
 The access-done rides on the transfer: the driver passes the core's
-`AccessDecision.notification`, encoded, as the transfer's notification to every pinner rank the
+`AccessDecision.notification_for(rank)`, encoded, as the transfer's notification to every pinner rank the
 decision targets (NIXL: the notification of the prepped READ/WRITE, delivered only after the
 data landed; ZMQ: the next frame in the same ordered stream, after the data landed), and then
 calls `Accessor.access_finished(..., notified=True)`, which sends a separate access-done only
@@ -67,6 +67,7 @@ from kvlease import (
     AccessStale,
     ConfigError,
     DecodeError,
+    EncodeError,
     EndReason,
     FrameAuth,
     Free,
@@ -377,13 +378,14 @@ class Driver:
             raise LocalProtocolError(
                 f"the access targets pinner ranks {list(decision.targets)}: pass one buffer per rank"
             )
-        assert decision.notification is not None
-        # Attached to every part: each pinner rank hears the access-done only after its part
-        # landed (and the core knows that a rank answering "completed" mid-access heard ours).
-        notif = self._wire(decision.notification)
+        # Attached to every part, each part its own rank's: each pinner rank hears the
+        # access-done only after its part landed (and the core knows that a rank answering
+        # "completed" mid-access heard ours); one delivered to a sibling rank counts nothing.
+        notifs = {r: self._wire(decision.notification_for(r)) for r, _reg, _buf in plan}
         acc = _Access(key, engine_id, set(), now, notified=True)
         self._accesses[key] = acc
         for rank, reg, buf in plan:
+            notif = notifs[rank]
             try:
                 if write:
                     h = self.transport.start_write(engine_id, rank, reg, buf, notif)
@@ -673,7 +675,16 @@ class Driver:
                         stats.heartbeats_sent += 1
                     # Only these are answered, so only these can show a peer is silent.
                     answered = isinstance(msg, Heartbeat) or (isinstance(msg, AccessDone) and msg.confirm)
-                    self._send(now, out.engine_id, out.rank, self._wire(msg), expect_reply=answered)
+                    try:
+                        data = self._wire(msg)
+                    except EncodeError as exc:
+                        # The core builds nothing the wire cannot carry; should it ever, the
+                        # message is dropped (a lost message, which the protocol survives)
+                        # rather than raised into the engine's step.
+                        stats.rejected_messages += 1
+                        self._log(now, out.engine_id, f"dropped an unencodable {type(msg).__name__}: {exc}")
+                        continue
+                    self._send(now, out.engine_id, out.rank, data, expect_reply=answered)
                 case Free():
                     if out.reason is EndReason.EXPIRED:
                         stats.leases_expired += 1

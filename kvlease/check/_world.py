@@ -136,7 +136,7 @@ class _Access:
     lease_id: int  # the world's id (`glid`)
     begin: float
     targets: tuple[int, ...]
-    notification: bytes
+    notifications: dict[int, bytes]  # pinner rank -> the access-done attached to its part
     attempt: int
     push: bool
     end: float | None = None
@@ -515,8 +515,8 @@ class World:
         self._rec(f"{e}.{r}", now, "begin_access", {"key": key})
         d = acc.begin_access(now, key)
         if d.allowed:
-            assert d.notification is not None
-            lid = glid(d.notification.incarnation, d.notification.lease_id)
+            first = d.notifications[0]
+            lid = glid(first.incarnation, first.lease_id)
             self.accesses[e, r, key] = _Access(
                 e,
                 r,
@@ -524,8 +524,8 @@ class World:
                 lid,
                 self.real,
                 d.targets,
-                encode(d.notification),
-                d.notification.attempt,
+                {q: encode(d.notification_for(q)) for q in d.targets},
+                first.attempt,
                 self.lease_kind[lid] == "push",
             )
 
@@ -537,7 +537,7 @@ class World:
         access.overlapped = access.overlapped or any((access.lease_id, q) in self.frees for q in access.targets)
         if notified:
             for q in access.targets:
-                self._send((True, PINNER, q, access.notification))
+                self._send((True, PINNER, q, access.notifications[q]))
         acc = self.accessors[e, r]
         now = self.now_a(e)
         self._rec(f"{e}.{r}", now, "access_finished", {"key": key, "notified": notified})
@@ -549,7 +549,7 @@ class World:
         self._check_write(access)
         if how == "landed":  # the notification reached every target, then the transport failed
             for q in access.targets:
-                self._deliver((True, PINNER, q, access.notification))
+                self._deliver((True, PINNER, q, access.notifications[q]))
         acc = self.accessors[e, r]
         now = self.now_a(e)
         posted = how != "unposted"

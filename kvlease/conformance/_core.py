@@ -180,7 +180,7 @@ class CoreImplementation:
                 "guaranteed": d.guaranteed,
                 "valid_until": None if d.valid_until is None else float(d.valid_until),
                 "reason_text": d.reason,
-                "notification": None if d.notification is None else encode(d.notification).hex(),
+                "notifications": [encode(n).hex() for n in d.notifications],
                 "targets": list(d.targets),
             }
             return result, ()

@@ -160,8 +160,8 @@ class _Adversity(_Decode):
         rngs = self.api_rngs
         if self._track_seq:
             for r, dec in enumerate(decisions):
-                if dec.notification is not None:
-                    self._sent(de, r, dec.engine_id, dec.notification.attempt)
+                if dec.notifications:
+                    self._sent(de, r, dec.engine_id, dec.notifications[0].attempt)
         if api.fail_unposted and rngs["fail_unposted"].random() < api.fail_unposted:
             self._count("failed-unposted")
             if self._tracing:
@@ -175,7 +175,7 @@ class _Adversity(_Decode):
             return False
         if api.notify and rngs["notify"].random() < api.notify:
             req.notes = [
-                (r, dec.targets, dec.notification) for r, dec in enumerate(decisions) if dec.notification is not None
+                (r, dec.targets, dec.notifications) for r, dec in enumerate(decisions) if dec.notifications
             ]
         if api.exact_end and not req.push and rngs["exact_end"].random() < api.exact_end:
             ends = [dec.valid_until for dec in decisions]

@@ -277,8 +277,8 @@ class _Decode(_Prefill):
         if ok and req.notes is not None:
             # The transport delivers each rank's attached access-done after its data landed,
             # whatever the engine has decided about the request meanwhile.
-            for r, note_ranks, note in req.notes:
-                for q in note_ranks:
+            for r, note_ranks, notes in req.notes:
+                for q, note in zip(note_ranks, notes, strict=True):
                     self._d_output(de, r, Send(pe.name, q, note))
         if req.failed:
             for r, acc in enumerate(de.accessors):

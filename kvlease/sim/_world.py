@@ -134,7 +134,7 @@ class Request:
         self.due = 0.0  # when the engine's loop finishes the transfer (inf: an exact-end event does)
         self.exact: float | None = None  # the accessor valid_until the transfer ends exactly at
         # Attached notifications (rank, pinner ranks, access-done), delivered after the data landed.
-        self.notes: list[tuple[int, tuple[int, ...], AccessDone]] | None = None
+        self.notes: list[tuple[int, tuple[int, ...], tuple[AccessDone, ...]]] | None = None
         self.copy = False  # API adversity: a second tracking of another request's ticket
 
 
