@@ -124,7 +124,10 @@ def bench_messages(repeats: int, target_s: float) -> list[tuple[str, str, float,
     t = 86_400.125
     messages: list[tuple[str, Message]] = [
         ("Heartbeat (100 ids)", Heartbeat("decode-0", 0, 1, session, inc, 123_456, LocalTime(t), ids)),
-        ("HeartbeatAck", HeartbeatAck("prefill-0", 0, inc, 0, session, 123_456, PeerTime(t), PeerTime(t + 1e-3), 86400.0, 100)),
+        (
+            "HeartbeatAck",
+            HeartbeatAck("prefill-0", 0, inc, 0, session, 123_456, PeerTime(t), PeerTime(t + 1e-3), 86400.0, 100),
+        ),
         ("AccessDone", AccessDone("decode-0", 0, 1, session, inc, 0, ids[0], 123_457, False, LocalTime(t))),
     ]
     out = []

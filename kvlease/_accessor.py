@@ -46,7 +46,6 @@ from ._events import (
     Send,
 )
 from ._layout import MAX_RANKS, TpLayout, layout_error, tp_layout
-from ._terms import LeaseTerms
 from ._messages import (
     ALL_CAPABILITIES,
     PROTOCOL_VERSION,
@@ -62,6 +61,7 @@ from ._messages import (
     Message,
     Release,
 )
+from ._terms import LeaseTerms
 
 __all__ = ["AccessDecision", "Accessor", "TrackedState"]
 
@@ -532,7 +532,9 @@ class Accessor:
         targets = self._layout(eng).targets
         if t.state is TrackedState.LOST:
             self._forget(t)
-            sends = () if notified else tuple(Send(eng.engine_id, r, self._access_done(t, False, now, r)) for r in targets)
+            sends = (
+                () if notified else tuple(Send(eng.engine_id, r, self._access_done(t, False, now, r)) for r in targets)
+            )
             return (*sends, AccessStale(key, t.lease_id, "the lease was lost during the access"))
         if t.kind is LeaseKind.FIXED_TTL:
             self._refresh_fixed(now, eng, t)

@@ -221,11 +221,11 @@ def heartbeat_id_budget(max_message_bytes: int, accessor_id: str, pinner_id: str
     ``52 + len(accessor_id) + C`` bytes (every fixed field at its widest). An ack spreads the
     same ids over four lists: each list costs at most a 5-byte header and a 9-byte first id,
     and every other id's gap inside its list is at most its distance from the chunk's first
-    id, so the lists take at most ``C + 50`` bytes and the ack (whose fixed fields, the
-    stated extension and a 3-byte array header included, cost at most 75 bytes plus the engine id) at most
-    ``ACK_FIXED_BYTES + len(pinner_id) + C`` = ``125 + len(pinner_id) + C``. (Counting gaps from the first id, not from the predecessor,
-    is what makes the ack bound hold: splitting sorted ids over four lists can widen every gap
-    by a size class.)
+    id, so the lists take at most ``C + 50`` bytes, and the ack (whose fixed fields, the
+    stated extension and a 3-byte array header included, cost at most 75 bytes plus the
+    engine id) at most ``ACK_FIXED_BYTES + len(pinner_id) + C`` = ``125 + len(pinner_id) +
+    C``. (Counting gaps from the first id, not from the predecessor, is what makes the ack
+    bound hold: splitting sorted ids over four lists can widen every gap by a size class.)
     """
     acc = len(accessor_id.encode("utf-8", "surrogatepass"))
     pin = len(pinner_id.encode("utf-8", "surrogatepass"))

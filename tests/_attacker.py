@@ -87,7 +87,9 @@ def _forgeries(plan: dict[str, Any], rnd: int, incarnation: int) -> list[bytes]:
         for engine in plan.get("engines", ()):
             if "access_done" in kinds:
                 for i in ids:
-                    msgs.append(AccessDone(engine, 0, 1, session, incarnation, 0, i, rnd + 1, i % 2 == 0, LocalTime(now)))
+                    msgs.append(
+                        AccessDone(engine, 0, 1, session, incarnation, 0, i, rnd + 1, i % 2 == 0, LocalTime(now))
+                    )
             if "release" in kinds:
                 msgs.append(Release(engine, 0, 1, session, incarnation, ids))
             if "heartbeat" in kinds:
@@ -100,7 +102,17 @@ def _forgeries(plan: dict[str, Any], rnd: int, incarnation: int) -> list[bytes]:
             for seq in plan.get("seqs", range(1, 6)):
                 msgs.append(
                     HeartbeatAck(
-                        pinner, 0, incarnation, 0, session, seq, LocalTime(now - 0.01), PeerTime(now), 86400.0, 0, expired=ids
+                        pinner,
+                        0,
+                        incarnation,
+                        0,
+                        session,
+                        seq,
+                        LocalTime(now - 0.01),
+                        PeerTime(now),
+                        86400.0,
+                        0,
+                        expired=ids,
                     )
                 )
         if "handshake_reply" in kinds:
@@ -112,7 +124,10 @@ def _forgeries(plan: dict[str, Any], rnd: int, incarnation: int) -> list[bytes]:
                     random.getrandbits(63),
                     2,
                     7,
-                    1024, 86400.0, 0.0, 1e-3,
+                    1024,
+                    86400.0,
+                    0.0,
+                    1e-3,
                     0,
                     session,
                     1,

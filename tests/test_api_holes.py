@@ -721,9 +721,9 @@ def test_7_other_ranks_completion_does_not_lose_this_ranks_lease(p_ranks: int, a
         assert heartbeat_round(acc, pins, a(100.0), p(10.0)) == []
     # Accessor rank 0 reads its pinner ranks; their notifications free them (Free(access_done)).
     d0 = accs[0].begin_access(a(101.0), "k")
-    assert d0.guaranteed and d0.notification is not None
+    assert d0.guaranteed and len(d0.notifications) == len(d0.targets)
     for r in d0.targets:
-        assert free_of(pins[r].receive(p(11.0), wire(d0.notification)), tk.lease_id) is not None
+        assert free_of(pins[r].receive(p(11.0), wire(d0.notification_for(r))), tk.lease_id) is not None
     assert completions(accs[0].access_finished(a(101.5), "k", notified=True), "k")
     # Accessor rank 1, still waiting, heartbeats at a(105). v2: only to its own pinner ranks, so
     # pinner rank 0's "completed" never reaches it.
@@ -745,10 +745,10 @@ def test_7_other_ranks_completion_does_not_lose_this_ranks_lease(p_ranks: int, a
     # Rank 1 can still read its own pinner ranks, which still hold the lease.
     d1 = accs[1].begin_access(a(106.0), "k")
     assert d1.allowed, f"accessor rank 1 cannot read a lease its pinner ranks hold: {d1}"
-    assert d1.guaranteed and d1.notification is not None
+    assert d1.guaranteed and len(d1.notifications) == len(d1.targets)
     for r in d1.targets:
         assert pins[r].info(tk.lease_id) is not None  # still pinned there
-        assert free_of(pins[r].receive(p(16.5), wire(d1.notification)), tk.lease_id) is not None
+        assert free_of(pins[r].receive(p(16.5), wire(d1.notification_for(r))), tk.lease_id) is not None
     assert completions(accs[1].access_finished(a(107.0), "k", notified=True), "k")
     assert all(pin.live_count == 0 for pin in pins)
 

@@ -85,8 +85,12 @@ def kind_of(name: str) -> str:
         return "mmb"
     if name in TIME_FIELDS:
         return "time"
-    if name == "confirm":
+    if name in ("confirm", "posted"):
         return "bool"
+    if name in ("extension", "max_access_time"):
+        return "duration"
+    if name == "max_drift_rate":
+        return "rate"
     if name in ID_LISTS:
         return "ids"
     if name == "outcome":
@@ -129,6 +133,10 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "bool": st.booleans(),
     "ids": IDS,
     "outcome": OUTCOMES,
+    "duration": st.one_of(
+        st.floats(min_value=5e-324, max_value=MAX_TIME), st.sampled_from([5e-324, 1e-3, 6.0, MAX_TIME])
+    ),
+    "rate": st.one_of(st.floats(min_value=0.0, max_value=1.0, exclude_max=True), st.sampled_from([0.0, 1e-4])),
 }
 
 
@@ -146,7 +154,7 @@ def _deltas(ids: Sequence[Any]) -> list[Any]:
 def _wire(name: str, v: Any) -> Any:
     """What the spec says the field looks like inside the msgpack array."""
     kind = kind_of(name)
-    if kind == "time" and isinstance(v, int | float) and not isinstance(v, bool):
+    if kind in ("time", "duration", "rate") and isinstance(v, int | float) and not isinstance(v, bool):
         return float(v)
     if kind == "ids" and isinstance(v, tuple):
         return _deltas(v)
@@ -207,7 +215,10 @@ def test_the_frame_is_the_fields_in_constructor_order(msg: Message) -> None:
             0,
             0,
             0,
-            1, 86400.0, 0.0, 1e-3,
+            1,
+            86400.0,
+            0.0,
+            1e-3,
             0,
             0,
             0,
@@ -216,7 +227,22 @@ def test_the_frame_is_the_fields_in_constructor_order(msg: Message) -> None:
             PeerTime(0.0),
         ),
         HandshakeReply(
-            "p", 1, MAX_RANKS, 2, 3, 4, U64_MAX, 86400.0, 0.0, 1e-3, 5, U64_MAX, 6, LocalTime(1.0), PeerTime(2.0), PeerTime(3.0)
+            "p",
+            1,
+            MAX_RANKS,
+            2,
+            3,
+            4,
+            U64_MAX,
+            86400.0,
+            0.0,
+            1e-3,
+            5,
+            U64_MAX,
+            6,
+            LocalTime(1.0),
+            PeerTime(2.0),
+            PeerTime(3.0),
         ),
         Heartbeat("d", 65535, MAX_RANKS, U64_MAX, U64_MAX, U64_MAX, LocalTime(MAX_TIME), (0, 1, U64_MAX)),
         Heartbeat("d", 0, 1, 0, 0, 0, LocalTime(0.0), ()),
@@ -228,7 +254,8 @@ def test_the_frame_is_the_fields_in_constructor_order(msg: Message) -> None:
             U64_MAX,
             U64_MAX,
             LocalTime(-MAX_TIME),
-            PeerTime(MAX_TIME), 86400.0,
+            PeerTime(MAX_TIME),
+            86400.0,
             U64_MAX,
             (0,),
             (1,),
@@ -372,11 +399,15 @@ BAD_ENCODES: list[tuple[Message, str]] = [
     (Handshake("e", 0, 1, 1, 1, -1, 0, LocalTime(0.0)), "capabilities"),
     (Handshake("e", 0, 0, 1, 1, 0, 0, LocalTime(0.0)), "ranks"),
     (
-        HandshakeReply("e", 0, 1, 0, 1, 0, 0, 86400.0, 0.0, 1e-3, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), PeerTime(0.0)),
+        HandshakeReply(
+            "e", 0, 1, 0, 1, 0, 0, 86400.0, 0.0, 1e-3, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), PeerTime(0.0)
+        ),
         "max_message_bytes",
     ),
     (
-        HandshakeReply("e", 0, 1, 0, 1, 0, 1024, 86400.0, 0.0, 1e-3, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), PeerTime(math.nan)),
+        HandshakeReply(
+            "e", 0, 1, 0, 1, 0, 1024, 86400.0, 0.0, 1e-3, 0, 0, 0, LocalTime(0.0), PeerTime(0.0), PeerTime(math.nan)
+        ),
         "t_send",
     ),
 ]
@@ -408,12 +439,13 @@ def test_encode_refuses_what_decode_would_refuse_for_size(shape: str) -> None:
 def test_size_limits_of_decode_hold() -> None:
     """What the test above relies on: decode does refuse those frames."""
     with pytest.raises(DecodeError, match=r"max_array_len|malformed"):
-        decode(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * (MAX_IDS + 1)]))
-    big = _frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1 << 40] * (MAX_IDS - 1)])
+        decode(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * (MAX_IDS + 1), False]))
+    big = _frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1 << 40] * (MAX_IDS - 1), False])
     assert len(big) > MAX_DECODE_BYTES
     with pytest.raises(DecodeError, match="exceeds"):
         decode(big)
-    assert _decode_as(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * MAX_IDS]), Release).lease_ids[-1] == MAX_IDS
+    last = _decode_as(_frame([PROTOCOL_VERSION, 7, "d", 0, 1, 0, 0, [1] * MAX_IDS, False]), Release).lease_ids[-1]
+    assert last == MAX_IDS
 
 
 # -- decode raises only DecodeError -------------------------------------------------------------
@@ -537,13 +569,40 @@ def _hb_body(*, rank: Any = 0, ranks: Any = 1, t: Any = 1.0, ids: Any = (), engi
         (_hb_body(ranks=MAX_RANKS + 1), "ranks", "field"),
         (_hb_body(ranks=True), "ranks", "field"),
         (_hb_body(engine=""), "engine_id", "field"),
-        (_frame([PROTOCOL_VERSION, 5, "e", 0, True, 0, 0, 1, 1, True, 1.0]), "ranks", "field"),
-        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 1, 1, 1, 1.0]), "boolean", "field"),
-        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 1, -1, True, 1.0]), "attempt", "field"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, True, 0, 0, 0, 1, 1, True, 1.0]), "ranks", "field"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 0, 1, 1, 1, 1.0]), "boolean", "field"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, 0, 1, -1, True, 1.0]), "attempt", "field"),
+        (_frame([PROTOCOL_VERSION, 5, "e", 0, 1, 0, 0, -1, 1, 1, True, 1.0]), "to_rank", "field"),
+        (_frame([PROTOCOL_VERSION, 7, "e", 0, 1, 0, 0, [1], 1]), "boolean", "field"),
         (_frame([PROTOCOL_VERSION, 6, "e", 0, 0, 0, 0, 1, 1, 9]), "outcome", "field"),
         (
-            _frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 2, 0, 0, 0, 0, 0, 1.0, 1.0, 1.0]),
+            _frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 3, 0, 0, 6.0, 0.0, 1.0, 0, 0, 0, 1.0, 1.0, 1.0]),
             "max_message_bytes",
+            "field",
+        ),
+        (
+            _frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 3, 0, 1024, 0.0, 0.0, 1.0, 0, 0, 0, 1.0, 1.0, 1.0]),
+            "extension",
+            "field",
+        ),
+        (
+            _frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 3, 0, 1024, 6.0, 1.0, 1.0, 0, 0, 0, 1.0, 1.0, 1.0]),
+            "max_drift_rate",
+            "field",
+        ),
+        (
+            _frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 3, 0, 1024, 6.0, math.nan, 1.0, 0, 0, 0, 1.0, 1.0, 1.0]),
+            "max_drift_rate",
+            "field",
+        ),
+        (
+            _frame([PROTOCOL_VERSION, 2, "p", 0, 1, 0, 3, 0, 1024, 6.0, 0.0, math.inf, 0, 0, 0, 1.0, 1.0, 1.0]),
+            "max_access_time",
+            "field",
+        ),
+        (
+            _frame([PROTOCOL_VERSION, 4, "p", 0, 0, 0, 0, 1, 1.0, 1.0, -6.0, 0, [], [], [], []]),
+            "extension",
             "field",
         ),
         (_frame([PROTOCOL_VERSION, 7, "e", 0, 1, 0, 0, [1] * ((1 << 17) + 1)]), "malformed", "body"),
@@ -603,7 +662,7 @@ def test_decode_accepts_integer_times() -> None:
 
 def test_a_float_version_is_not_the_version() -> None:
     """msgpack floats compare equal to ints; the version must be the integer 2."""
-    body = [float(PROTOCOL_VERSION), 7, "decode-0", 0, 1, 5, 9, [1]]
+    body = [float(PROTOCOL_VERSION), 7, "decode-0", 0, 1, 5, 9, [1], False]
     with pytest.raises(DecodeError, match="version"):
         decode(_frame(body))
     msg = decode(_frame([PROTOCOL_VERSION, *body[1:]]))
@@ -654,9 +713,9 @@ def test_split_ids_rejects_tiny_budget_and_handles_empty() -> None:
 
 
 def test_heartbeat_id_budget_formula() -> None:
-    assert heartbeat_id_budget(1024, "d", "p") == 1024 - max(52 + 1, 114 + 1)
+    assert heartbeat_id_budget(1024, "d", "p") == 1024 - max(52 + 1, 125 + 1)
     assert heartbeat_id_budget(1024, "d" * 100, "p") == 1024 - (52 + 100)
-    assert heartbeat_id_budget(1024, "d", "\u00e9" * 10) == 1024 - (114 + 20)  # bytes, not characters
+    assert heartbeat_id_budget(1024, "d", "\u00e9" * 10) == 1024 - (125 + 20)  # bytes, not characters
 
 
 #: How an ack may spread a chunk's ids over its lists (renewed ids are only counted).
@@ -687,6 +746,7 @@ def _worst_ack(pin: str, chunk: tuple[int, ...], lists: list[list[int]]) -> Hear
         U64_MAX,
         LocalTime(MAX_TIME),
         PeerTime(-MAX_TIME),
+        MAX_TIME / 3,  # the stated extension: any float is 9 bytes
         len(chunk) - listed,
         *(tuple(v) for v in lists),
     )

@@ -158,7 +158,8 @@ def _ack(hb: Heartbeat, t: float, renewed: int, **lists: tuple[int, ...]) -> Hea
         hb.session,
         hb.seq,
         LocalTime(hb.t_send),
-        PeerTime(_p(t)), 86400.0,  # the pinner's clock, as the accessor sees it
+        PeerTime(_p(t)),
+        86400.0,  # the pinner's clock, as the accessor sees it
         renewed,
         unknown=lists.get("unknown", ()),
         expired=lists.get("expired", ()),
@@ -238,7 +239,10 @@ def _reply_to(hs: Handshake, *, ranks: int = 1) -> HandshakeReply:
         incarnation=INC,
         version=PROTOCOL_VERSION,
         capabilities=7,
-        max_message_bytes=1024, extension=86400.0, max_drift_rate=0.0, max_access_time=1e-3,
+        max_message_bytes=1024,
+        extension=86400.0,
+        max_drift_rate=0.0,
+        max_access_time=1e-3,
         to_rank=hs.rank,
         to_session=hs.session,
         seq=hs.seq,
@@ -1028,8 +1032,8 @@ def test_engine_ids_too_long_for_the_message_bound_are_refused_at_start_up() -> 
         _accessor(cfg, "decode-" + "x" * 118)  # 125 bytes
     _accessor(cfg, "decode-" + "x" * 117)  # 124 bytes: the longest that fits
     with pytest.raises(ConfigError, match="max_message_bytes"):
-        Pinner(cfg, "prefill-" + "x" * 55, INC)  # 63 bytes
-    Pinner(cfg, "prefill-" + "x" * 54, INC)  # 62 bytes
+        Pinner(cfg, "prefill-" + "x" * 44, INC)  # 52 bytes (v3's ack states the extension)
+    Pinner(cfg, "prefill-" + "x" * 43, INC)  # 51 bytes
     with pytest.raises(ConfigError, match="max_message_bytes"):
         LeaseConfig(max_message_bytes=MIN_MESSAGE_BYTES - 1)
 
@@ -1230,7 +1234,7 @@ def test_acks_stay_under_the_size_bound_when_the_pinner_id_is_longer() -> None:
     """The accessor sizes heartbeat chunks for its own engine id; the pinner's ack carries the
     pinner's id and splits the ids into four lists (each opening with an absolute id)."""
     cfg = CFG.with_changes(max_message_bytes=MIN_MESSAGE_BYTES, tombstone_limit=1000)
-    pinner = Pinner(cfg, "prefill-" + "x" * 50, 2**63)
+    pinner = Pinner(cfg, "prefill-" + "x" * 43, 2**63)
     acc = _accessor(cfg)
     base = 2**40
     tks = [pinner.grant(_p(0), f"k{i}", lease_id=base + 1 + i) for i in range(40)]

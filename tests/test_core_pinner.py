@@ -387,7 +387,22 @@ def test_messages_for_the_other_side_are_rejected(msg_type: type) -> None:
         HeartbeatAck: HeartbeatAck(ACC, 0, INC, 0, SES, 1, LocalTime(0), PeerTime(0), 86400.0, 0),
         AccessDoneAck: AccessDoneAck(ACC, 0, INC, 0, SES, lid, 1, AccessOutcome.OK),
         HandshakeReply: HandshakeReply(
-            ACC, 0, 1, INC, PROTOCOL_VERSION, 0, 1024, 86400.0, 0.0, 1e-3, 0, SES, 1, LocalTime(0), PeerTime(0), PeerTime(0)
+            ACC,
+            0,
+            1,
+            INC,
+            PROTOCOL_VERSION,
+            0,
+            1024,
+            86400.0,
+            0.0,
+            1e-3,
+            0,
+            SES,
+            1,
+            LocalTime(0),
+            PeerTime(0),
+            PeerTime(0),
         ),
     }
     msg = messages[msg_type]
@@ -445,10 +460,10 @@ def test_expected_comes_from_the_layout() -> None:
     lid = q.grant(_t(0), "k").lease_id
     # Accessor TP 8: ranks 4..7 read pinner rank 1, so four must report.
     for r in (4, 5, 6):
-        assert q.receive(_t(1), _done(lid, rank=r, ranks=8, confirm=False)) == ()
+        assert q.receive(_t(1), _done(lid, rank=r, ranks=8, confirm=False, to_rank=1)) == ()
     info = q.info(lid)
     assert info is not None and (info.accesses_done, info.expected) == (3, 4)
-    done = q.receive(_t(1), _done(lid, rank=7, ranks=8, confirm=False))
+    done = q.receive(_t(1), _done(lid, rank=7, ranks=8, confirm=False, to_rank=1))
     assert done == (Free(lid, "k", EndReason.ACCESS_DONE, _t(1)),)
 
 
@@ -462,7 +477,7 @@ def test_access_done_expected_mismatch_is_rejected() -> None:
     assert info is not None and info.accesses_done == 0
     # The layout that agrees with the grant counts.
     assert p.receive(_t(1), _done(lid, ranks=2, confirm=False)) == ()
-    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False, to_rank=3))
+    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False))
     assert done == (Free(lid, "k", EndReason.ACCESS_DONE, _t(1)),)
 
 
@@ -513,11 +528,12 @@ def test_access_done_from_outside_the_layout_is_rejected(
     prank: int, pranks: int, arank: int, aranks: int, what: str, confirm: bool
 ) -> None:
     p, lid = _layout_pinner(prank, pranks)
-    _only_rejected(p.receive(_t(1), _done(lid, rank=arank, ranks=aranks, confirm=confirm)), what)  # no verdict
+    bad = _done(lid, rank=arank, ranks=aranks, confirm=confirm, to_rank=prank)
+    _only_rejected(p.receive(_t(1), bad), what)  # no verdict
     info = p.info(lid)
     assert info is not None and info.accesses_done == 0 and p.counters.rejected == 1
     # Not counted, not bound: the right accessor still completes it alone.
-    out = p.receive(_t(1), _done(lid, engine=OTHER, confirm=False))
+    out = p.receive(_t(1), _done(lid, engine=OTHER, confirm=False, to_rank=prank))
     assert out == (Free(lid, "k", EndReason.ACCESS_DONE, _t(1)),)
 
 
@@ -731,7 +747,7 @@ def _completed_by_two_ranks() -> tuple[Pinner, int]:
     p = Pinner(CFG, "prefill-0", INC)
     lid = p.grant(_t(0), "k").lease_id
     assert p.receive(_t(1), _done(lid, rank=0, ranks=2, confirm=False)) == ()
-    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False, to_rank=3))
+    done = p.receive(_t(1), _done(lid, rank=1, ranks=2, confirm=False))
     assert done == (Free(lid, "k", EndReason.ACCESS_DONE, _t(1)),)
     return p, lid
 

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from kvlease import (
+    PROTOCOL_VERSION,
     AccessDone,
     AccessDoneAck,
     AccessOutcome,
@@ -722,7 +723,7 @@ def rejections_and_misuse() -> Recorder:
         {"P": 50.0, "D": 60.0},
     )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
-    wrong = HeartbeatAck("decode-0", 0, 1, 0, 0xD, 1, LocalTime(1.0), PeerTime(1.0), 0)
+    wrong = HeartbeatAck("decode-0", 0, 1, 0, 0xD, 1, LocalTime(1.0), PeerTime(1.0), 4.0, 0)
     assert only(r.at(0.5).step("P", "receive", hex=encode(wrong).hex()), "Rejected")["engine_id"] == "decode-0"
     future = Handshake("decode-0", 0, 1, 0xD, 7, 7, 1, LocalTime(60.5))
     resp = r.at(0.5).step(
@@ -741,18 +742,18 @@ def rejections_and_misuse() -> Recorder:
     hs = only(r.at(0.5).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
     assert r.at(0.5).step("D", "track", key="req-1", ticket=t1)["error"]["class"] == "LocalProtocolError"
     connect(r, "D", "P", hs, 0.75)
-    bogus = AccessDone("decode-0", 3, 2, 0xD, 0x5EED000E, 1, 1, False, LocalTime(61.0))
+    bogus = AccessDone("decode-0", 3, 2, 0xD, 0x5EED000E, 0, 1, 1, False, LocalTime(61.0))
     rej = r.at(1.0).step("P", "receive", hex=encode(bogus).hex(), note="rank 3 of a 2-rank engine")
     assert only(rej, "Rejected")
     t2 = r.at(1.0).step("P", "grant", key="req-2", expected=2)["result"]
-    one = AccessDone("decode-0", 0, 1, 0xD, 0x5EED000E, t2["lease_id"], 1, False, LocalTime(61.0))
+    one = AccessDone("decode-0", 0, 1, 0xD, 0x5EED000E, 0, t2["lease_id"], 1, False, LocalTime(61.0))
     rej = r.at(1.0).step(
         "P", "receive", hex=encode(one).hex(), note="granted with expected=2; a 1-rank accessor's layout says 1"
     )
     assert only(rej, "Rejected")
     hb = Heartbeat("decode-0", 0, 1, 0xD, 0x5EED000E, 1, LocalTime(61.0), (1,))
     assert only(r.at(0.9 + 0.2).step("D", "receive", hex=encode(hb).hex()), "Rejected")
-    alien = HeartbeatAck("prefill-0", 0, 0x5EED000E, 0, 0xE, 1, LocalTime(61.0), PeerTime(51.0), 1)
+    alien = HeartbeatAck("prefill-0", 0, 0x5EED000E, 0, 0xE, 1, LocalTime(61.0), PeerTime(51.0), 4.0, 1)
     note = "an ack addressed to another session"
     assert only(r.at(1.2).step("D", "receive", hex=encode(alien).hex(), note=note), "Rejected")
     forged = AccessDoneAck("prefill-0", 0, 0x5EED000E, 0, 0xD, 1, 99, AccessOutcome.OK)
@@ -859,10 +860,10 @@ def wrong_rank() -> Recorder:
     assert r.at(0.625).step("D0", "begin_access", key="req-1")["result"]["guaranteed"]
     fin0 = r.at(0.875).step("D0", "access_finished", key="req-1")
     assert outs(fin0, "AccessCompleted")
-    hx = AccessDone("decode-0", 1, 2, 0xD1, 0x5EED0102, 1, 1, False, LocalTime(90001.0))
+    hx = AccessDone("decode-0", 1, 2, 0xD1, 0x5EED0102, 0, 1, 1, False, LocalTime(90001.0))
     rej = r.at(1.0).step("P0", "receive", hex=encode(hx).hex(), note="accessor rank 1's access-done at pinner rank 0")
     assert only(rej, "Rejected")
-    far = AccessDone("decode-0", 70000 % 65536, 2, 0xD1, 0x5EED0102, 1, 1, False, LocalTime(90001.0))
+    far = AccessDone("decode-0", 70000 % 65536, 2, 0xD1, 0x5EED0102, 0, 1, 1, False, LocalTime(90001.0))
     assert only(
         r.at(1.0).step("P0", "receive", hex=encode(far).hex(), note="a rank the sender's engine lacks"), "Rejected"
     )
@@ -1000,8 +1001,8 @@ def failed_transfer() -> Recorder:
     connect(r, "D", "P", hs, 0.25)
     heartbeat_round(r, "D", ["P"], 0.375)
     dec = r.at(1.0).step("D", "begin_access", key="k1")["result"]
-    assert dec["guaranteed"] and dec["notification"]
-    freed = r.at(1.25).step("P", "receive", hex=dec["notification"], note="the attached notification lands")
+    assert dec["guaranteed"] and dec["notifications"][0]
+    freed = r.at(1.25).step("P", "receive", hex=dec["notifications"][0], note="the attached notification lands")
     assert only(freed, "Free")["reason"] == "access_done"
     gone = r.at(1.5).step("D", "access_failed", key="k1", note="the transport reports the transfer failed")
     assert [o["type"] for o in gone["outputs"]] == ["Send", "LeaseLost"]
@@ -1019,7 +1020,7 @@ def failed_transfer() -> Recorder:
     r.at(4.7).step("D", "access_failed", key="k2", posted=False, note="nothing of attempt 1 was posted")
     from kvlease import decode
 
-    attempt1 = decode(bytes.fromhex(first["notification"]))
+    attempt1 = decode(bytes.fromhex(first["notifications"][0]))
     assert isinstance(attempt1, AccessDone)
     verdict = {
         "hex": encode(
@@ -1029,7 +1030,7 @@ def failed_transfer() -> Recorder:
         ).hex()
     }
     second = r.at(4.8).step("D", "begin_access", key="k2")["result"]
-    assert second["allowed"] and second["notification"] != first["notification"]
+    assert second["allowed"] and second["notifications"][0] != first["notifications"][0]
     assert r.at(4.9).deliver("D", verdict, "an OK verdict naming attempt 1 reaches attempt 2")["outputs"] == []
     fin = r.at(5.0).step("D", "access_finished", key="k2", note="attempt 2 finished, not notified")
     done = only(fin, "Send")
@@ -1066,7 +1067,7 @@ def expiry_edges() -> Recorder:
     ack = only(r.at(6.0).deliver("P", hb, "handled at now == expiry: expired, not renewed"), "Send")
     assert ack["message"]["renewed"] == 0 and ack["message"]["expired"] == [1, 2]
     assert ack["message"]["unknown"] == [50]
-    stale = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 2, 1, True, LocalTime(206.0))
+    stale = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 0, 2, 1, True, LocalTime(206.0))
     res = r.at(6.0).step("P", "receive", hex=encode(stale).hex(), note="confirm-request at now == expiry")
     assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.STALE)
     frees = r.at(6.0).step("P", "handle_timeout")["outputs"]
@@ -1078,7 +1079,7 @@ def expiry_edges() -> Recorder:
     assert sorted((x["key"], x["reason"]) for x in lost) == [("ghost", "unknown"), ("k1", "expired"), ("k2", "expired")]
     fin = r.at(6.25).step("D", "access_finished", key="k1", note="lost during the access")
     assert outs(fin, "AccessStale")
-    unknown = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 50, 1, True, LocalTime(206.0))
+    unknown = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 0, 50, 1, True, LocalTime(206.0))
     res = r.at(6.5).step("P", "receive", hex=encode(unknown).hex(), note="an id never granted")
     assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.UNKNOWN)
     return r
@@ -1106,7 +1107,7 @@ def bounds() -> Recorder:
     only(r.at(1.0).deliver("P", outs(fin, "Send")[0]), "Free")
     assert dec["guaranteed"]
     for lid in (2, 3):
-        done = AccessDone("decode-9", 0, 1, 9, 0x5EED0107, lid, 1, False, LocalTime(1.0))
+        done = AccessDone("decode-9", 0, 1, 9, 0x5EED0107, 0, lid, 1, False, LocalTime(1.0))
         only(r.at(1.0).step("P", "receive", hex=encode(done).hex(), note="another accessor completes it"), "Free")
     late = Heartbeat("decode-0", 0, 1, 0xACCE55, 0x5EED0107, 99, LocalTime(1235.0), (1, 2, 3))
     ack = only(r.at(1.25).step("P", "receive", hex=encode(late).hex(), note="lease 1's tombstone was evicted"), "Send")
@@ -1122,8 +1123,145 @@ def bounds() -> Recorder:
     assert r.at(3.75).step("D", "begin_access", key="k4")["result"]["valid_until"] is None
     r.at(3.75).step("D", "access_failed", key="k4", posted=False)
     t5 = r.at(4.0).step("P", "grant", key="req-5", expected=2)["result"]
-    one = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0107, t5["lease_id"], 1, False, LocalTime(1238.0))
+    one = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0107, 0, t5["lease_id"], 1, False, LocalTime(1238.0))
     assert only(r.at(4.0).step("P", "receive", hex=encode(one).hex(), note="granted for 2 accessor ranks"), "Rejected")
+    return r
+
+
+# -- protocol version 3: the deployment is part of the fault model ----------------------------
+
+
+def mismatched_terms() -> Recorder:
+    d_config = {"kv_lease_duration": 30.0}
+    long = BASE.with_changes(**d_config)
+    r = Recorder(
+        "mismatched_terms",
+        "P and D configured apart (a rolling config change): P extends by 4 s (duration 6), "
+        "D's own settings would give it 19.9 s (duration 30). P states the terms it enforces "
+        "in its handshake reply and in every ack; D counts validity from the stricter of those "
+        "and its own, heartbeats at a quarter of the shorter extension, and so never counts "
+        "valid a lease P has freed. v2 counted 19.9 s here: a stale read 13.9 s past P's free.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0301), "D": {**accessor("decode-0"), "config": d_config}},
+        {"P": 3100.0, "D": 7733.5},
+    )
+    ticket = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs = only(r.at(0.25).step("D", "track", key="req-1", ticket=ticket), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.375)
+    acks = heartbeat_round(r, "D", ["P"], 0.5)
+    assert all(a["outputs"] == [] for a in acks)
+    dec = r.at(1.0).step("D", "begin_access", key="req-1")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    window = dec["valid_until"] - r.local("D", 0.5)
+    assert abs(window - BASE.accessor_extension) < 1e-9 and window < long.accessor_extension - 15.0
+    r.at(1.25).step("D", "access_failed", key="req-1", posted=False, note="not posted: D tries later")
+    # D's next heartbeat is due a quarter of P's extension after the last, not D's own period.
+    nd = r.at(1.25).step("D", "handle_timeout")["next_deadline"]
+    assert nd is not None and abs(nd - r.local("D", 0.5 + BASE.lease_extension / 4)) < 1e-9
+    # D stops heartbeating (overloaded, its sends lost); P's lease runs out at 6.0.
+    dec = r.at(0.5 + BASE.accessor_extension + 0.01).step("D", "begin_access", key="req-1", note="past P's terms")
+    res = dec["result"]
+    assert not res["guaranteed"] and res["valid_until"] < r.local("D"), res  # only a confirmed read now
+    free = only(r.at(BASE.kv_lease_duration).step("P", "handle_timeout"), "Free")
+    assert free["reason"] == "expired"
+    return r
+
+
+def posted_failed_push() -> Recorder:
+    r = Recorder(
+        "posted_failed_push",
+        "Push mode: a WRITE is posted and then fails (a later part refused, an error after "
+        "the first posts); the WRITE may still land. The accessor's Release says posted=true, "
+        "and the pinner holds the destination pages as it would at expiry: freed at expiry + "
+        "the push guard, never at once; heartbeats no longer extend it. A Release with "
+        "posted=false (nothing posted, the transfer abandoned) frees at once.",
+        BASE,
+        {"D": pinner("decode-0", 0x5EED0302), "P": accessor("prefill-0")},
+        {"D": 412.0, "P": 90017.25},
+    )
+    t1 = r.at(0.0).step("D", "grant", key="req-1", push=True)["result"]
+    hs = only(r.at(0.0).step("P", "track", key="req-1", ticket=t1, push=True), "HandshakeNeeded")
+    connect(r, "P", "D", hs, 0.125)
+    heartbeat_round(r, "P", ["D"], 0.25)
+    dec = r.at(0.875).step("P", "begin_access", key="req-1")["result"]
+    assert dec["allowed"] and dec["guaranteed"]
+    failed = r.at(0.9).step("P", "access_failed", key="req-1", posted=True, note="the WRITE may still land")
+    (rel,) = outs(failed, "Send")
+    assert rel["message"]["type"] == "Release" and rel["message"]["posted"] is True
+    assert r.at(0.95).deliver("D", rel, note="held, not freed")["outputs"] == []
+    expiry = max(0.0 + BASE.kv_lease_duration, 0.5 + BASE.lease_extension)
+    guard_end = expiry + BASE.push_guard
+    assert r.at(expiry).step("D", "handle_timeout")["outputs"] == []
+    assert r.at(guard_end - 0.001).step("D", "handle_timeout")["outputs"] == []
+    free = only(r.at(guard_end).step("D", "handle_timeout"), "Free")
+    assert free["reason"] == "released" and free["key"] == "req-1"
+    # Nothing posted: the Release frees at once.
+    t2 = r.at(8.0).step("D", "grant", key="req-2", push=True)["result"]
+    assert r.at(8.0).step("P", "track", key="req-2", ticket=t2, push=True)["outputs"] == []
+    heartbeat_round(r, "P", ["D"], 8.0)
+    assert r.at(8.75).step("P", "begin_access", key="req-2")["result"]["guaranteed"]
+    assert r.at(8.8).step("P", "access_failed", key="req-2", posted=False)["outputs"] == []
+    (rel,) = outs(r.at(8.8).step("P", "untrack", key="req-2", note="the transfer is abandoned"), "Send")
+    assert rel["message"]["posted"] is False
+    assert only(r.at(8.9).deliver("D", rel), "Free")["reason"] == "released"
+    return r
+
+
+def multi_part_to_rank() -> Recorder:
+    r = Recorder(
+        "multi_part_to_rank",
+        "Prefill TP=2, decode TP=1: one READ has a part per prefill rank, and each part's "
+        "access-done names the pinner rank it is for (to_rank). Part 1's notification "
+        "misdelivered to rank 0 (the wrong rank of the right engine) is Rejected and frees "
+        "nothing; each rank frees on its own part's.",
+        BASE,
+        {
+            "P0": pinner("prefill-0", 0x5EED0303, 0, 2),
+            "P1": pinner("prefill-0", 0x5EED0303, 1, 2),
+            "D": accessor("decode-0"),
+        },
+        {"P0": 5000.0, "P1": 5000.0, "D": 77.0},
+    )
+    t = r.at(0.0).step("P0", "grant", key="req-1")["result"]
+    r.at(0.0).step("P1", "grant", key="req-1")
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t), "HandshakeNeeded")
+    connect(r, "D", "P0", hs, 0.25)
+    heartbeat_round(r, "D", ["P0", "P1"], 0.375)
+    dec = r.at(1.0).step("D", "begin_access", key="req-1")["result"]
+    assert dec["guaranteed"] and dec["targets"] == [0, 1] and len(dec["notifications"]) == 2
+    n0, n1 = dec["notifications"]
+    assert n0 != n1
+    rej = r.at(1.25).step("P0", "receive", hex=n1, note="part 1's notification at pinner rank 0")
+    assert only(rej, "Rejected")
+    assert only(r.at(1.25).step("P0", "receive", hex=n0), "Free")["reason"] == "access_done"
+    assert only(r.at(1.3).step("P1", "receive", hex=n1), "Free")["reason"] == "access_done"
+    assert outs(r.at(1.5).step("D", "access_finished", key="req-1", notified=True), "AccessCompleted")
+    return r
+
+
+def ack_bound() -> Recorder:
+    from kvlease import MIN_MESSAGE_BYTES
+
+    small = {"max_message_bytes": MIN_MESSAGE_BYTES}
+    r = Recorder(
+        "ack_bound",
+        "Every reply a pinner makes fits its max_message_bytes by construction: a heartbeat "
+        "whose ack could exceed the bound (ids far apart, each a 9-byte delta in one of the "
+        "ack's lists) is Rejected with no ack. An honest accessor never sends one: it splits "
+        "by the id budget of both bounds (the pinner's from the handshake reply).",
+        BASE.with_changes(**small),
+        {"P": pinner("prefill-0", 0x5EED0304), "D": accessor("decode-0", session=0xD3)},
+        {"P": 1.0, "D": 2.0},
+    )
+    r.at(0.0).step("P", "grant", key="req-1")
+    wide = tuple(1 + i * 2**40 for i in range(15))
+    hb = Heartbeat("decode-0", 0, 1, 0xD3, 0x5EED0304, 1, LocalTime(2.0), wide)
+    assert len(encode(hb)) <= MIN_MESSAGE_BYTES
+    rej = r.at(0.25).step("P", "receive", hex=encode(hb).hex(), note="15 ids 2**40 apart")
+    assert only(rej, "Rejected")
+    near = Heartbeat("decode-0", 0, 1, 0xD3, 0x5EED0304, 2, LocalTime(2.5), (1,))
+    ack = only(r.at(0.5).step("P", "receive", hex=encode(near).hex()), "Send")
+    assert len(bytes.fromhex(ack["hex"])) <= MIN_MESSAGE_BYTES
     return r
 
 
@@ -1134,7 +1272,7 @@ def codec_cases() -> JSONDict:
     from kvlease import decode, decode_vllm
 
     valid_msgs: list[tuple[str, Message]] = [
-        ("handshake", Handshake("decode-0", 1, 2, 0xACCE55, 2, 7, 1, LocalTime(98333.25))),
+        ("handshake", Handshake("decode-0", 1, 2, 0xACCE55, 3, 7, 1, LocalTime(98333.25))),
         (
             "handshake_reply",
             HandshakeReply(
@@ -1142,9 +1280,12 @@ def codec_cases() -> JSONDict:
                 0,
                 2,
                 0x5EED0001,
-                2,
+                3,
                 7,
                 1024,
+                4.0,
+                1e-4,
+                0.5,
                 1,
                 0xACCE55,
                 1,
@@ -1168,6 +1309,7 @@ def codec_cases() -> JSONDict:
                 3,
                 LocalTime(98334.0),
                 PeerTime(14022.5),
+                4.0,
                 2,
                 (7,),
                 (8, 9),
@@ -1175,9 +1317,10 @@ def codec_cases() -> JSONDict:
                 (12,),
             ),
         ),
-        ("access_done", AccessDone("decode-0", 1, 2, 0xACCE55, 2**64 - 1, 42, 17, True, LocalTime(98335.5))),
+        ("access_done", AccessDone("decode-0", 1, 2, 0xACCE55, 2**64 - 1, 1, 42, 17, True, LocalTime(98335.5))),
         ("access_done_ack", AccessDoneAck("prefill-0", 0, 5, 1, 0xACCE55, 42, 17, AccessOutcome.STALE)),
         ("release", Release("decode-0", 0, 1, 0xACCE55, 5, (4, 5, 900))),
+        ("release_posted", Release("decode-0", 0, 1, 0xACCE55, 5, (4,), posted=True)),
         ("heartbeat_empty_ids", Heartbeat("d", 0, 1, 0, 0, 0, LocalTime(0.0), ())),
         ("heartbeat_largest_ranks", Heartbeat("d", 65535, 65536, 2**64 - 1, 0, 1, LocalTime(-(2.0**32)), (5,))),
     ]
@@ -1204,30 +1347,55 @@ def codec_cases() -> JSONDict:
 
     # Heartbeat fields after [version, type]: engine_id, rank, ranks, session, incarnation, seq, t_send, ids
     hb_ok = ["decode-0", 0, 1, 7, 1, 1, 1.0, [1, 2]]
+    V = PROTOCOL_VERSION
+
+    # HandshakeReply fields after [version, type], v3: the pinner states its terms.
+    reply_ok: dict[str, object] = {
+        "engine_id": "p",
+        "rank": 0,
+        "ranks": 1,
+        "incarnation": 5,
+        "version": V,
+        "capabilities": 7,
+        "max_message_bytes": 1024,
+        "extension": 4.0,
+        "max_drift_rate": 1e-4,
+        "max_access_time": 0.5,
+        "to_rank": 0,
+        "to_session": 7,
+        "seq": 1,
+        "t_echo": 1.0,
+        "t_recv": 2.0,
+        "t_send": 2.0,
+    }
+
+    def reply(**change: object) -> bytes:
+        return frame(V, 2, *({**reply_ok, **change}).values())
 
     def hb(**change: object) -> bytes:
         names = ["engine_id", "rank", "ranks", "session", "incarnation", "seq", "t_send", "ids"]
         items = [change.get(n, v) for n, v in zip(names, hb_ok, strict=True)]
-        return frame(2, 3, *items)
+        return frame(V, 3, *items)
 
     bad: list[tuple[str, str, bytes, list[JSON]]] = [
         ("empty", "native", b"", ["frame"]),
-        ("wrong_magic", "native", b"\xc1\x4c" + msgpack.packb([2, 3]), ["frame"]),
+        ("wrong_magic", "native", b"\xc1\x4c" + msgpack.packb([V, 3]), ["frame"]),
         ("vllm_bytes_to_native", "native", b"HB:req-1", ["frame"]),
         ("magic_only", "native", b"\xc1\x4b", ["body"]),
         ("truncated_body", "native", encode(valid_msgs[2][1])[:-3], ["body"]),
         ("trailing_bytes", "native", encode(valid_msgs[2][1]) + b"\x00", ["body"]),
         ("not_an_array", "native", b"\xc1\x4b" + msgpack.packb(7), ["body"]),
-        ("array_too_short", "native", frame(2), ["body"]),
-        ("map_body", "native", b"\xc1\x4b" + msgpack.packb({"v": 2}), ["body"]),
+        ("array_too_short", "native", frame(V), ["body"]),
+        ("map_body", "native", b"\xc1\x4b" + msgpack.packb({"v": V}), ["body"]),
         ("version_1", "native", frame(1, 3, "decode-0", 0, 1, 1, 1.0, [1, 2]), ["version"]),
-        ("version_3", "native", frame(3, 3, *hb_ok), ["version"]),
+        ("version_2", "native", frame(2, 3, *hb_ok), ["version"]),  # v2 and v3 refuse each other
+        ("version_4", "native", frame(4, 3, *hb_ok), ["version"]),
         ("version_0", "native", frame(0, 3, *hb_ok), ["version"]),
         ("version_bool", "native", frame(True, 3, *hb_ok), ["version"]),
-        ("type_unknown", "native", frame(2, 99, *hb_ok), ["type"]),
-        ("type_zero", "native", frame(2, 0, *hb_ok), ["type"]),
-        ("arity_short", "native", frame(2, 3, *hb_ok[:-1]), ["arity"]),
-        ("arity_long", "native", frame(2, 3, *hb_ok, 0), ["arity"]),
+        ("type_unknown", "native", frame(V, 99, *hb_ok), ["type"]),
+        ("type_zero", "native", frame(V, 0, *hb_ok), ["type"]),
+        ("arity_short", "native", frame(V, 3, *hb_ok[:-1]), ["arity"]),
+        ("arity_long", "native", frame(V, 3, *hb_ok, 0), ["arity"]),
         ("engine_empty", "native", hb(engine_id=""), ["field"]),
         ("engine_not_str", "native", hb(engine_id=5), ["field"]),
         ("engine_too_long", "native", hb(engine_id="e" * 257), ["body", "field"]),
@@ -1246,16 +1414,29 @@ def codec_cases() -> JSONDict:
         ("ids_negative", "native", hb(ids=[-5]), ["field"]),
         ("ids_overflow_u64", "native", hb(ids=[2**64 - 1, 1]), ["field"]),
         ("ids_not_array", "native", hb(ids=5), ["field"]),
-        ("handshake_ranks_zero", "native", frame(2, 1, "d", 0, 0, 7, 2, 7, 1, 1.0), ["field"]),
+        ("handshake_ranks_zero", "native", frame(V, 1, "d", 0, 0, 7, V, 7, 1, 1.0), ["field"]),
+        ("handshake_reply_max_message_bytes_zero", "native", reply(max_message_bytes=0), ["field"]),
+        ("handshake_reply_extension_zero", "native", reply(extension=0.0), ["field"]),
+        ("handshake_reply_extension_negative", "native", reply(extension=-6.0), ["field"]),
+        ("handshake_reply_extension_beyond_2_32", "native", reply(extension=2.0**32 + 1.0), ["field"]),
+        ("handshake_reply_drift_rate_one", "native", reply(max_drift_rate=1.0), ["field"]),
+        ("handshake_reply_drift_rate_negative", "native", reply(max_drift_rate=-1e-4), ["field"]),
+        ("handshake_reply_drift_rate_nan", "native", reply(max_drift_rate=float("nan")), ["field"]),
+        ("handshake_reply_access_time_inf", "native", reply(max_access_time=float("inf")), ["field"]),
+        ("handshake_reply_access_time_string", "native", reply(max_access_time="0.5"), ["field"]),
         (
-            "handshake_reply_max_message_bytes_zero",
+            "heartbeat_ack_extension_zero",
             "native",
-            frame(2, 2, "p", 0, 1, 5, 2, 7, 0, 0, 7, 1, 1.0, 2.0, 2.0),
+            frame(V, 4, "p", 0, 5, 0, 7, 1, 1.0, 2.0, 0.0, 0, [], [], [], []),
             ["field"],
         ),
-        ("access_done_confirm_int", "native", frame(2, 5, "d", 0, 1, 7, 5, 1, 1, 0, 1.0), ["field"]),
-        ("access_done_ack_outcome_3", "native", frame(2, 6, "p", 0, 5, 0, 7, 1, 1, 3), ["field"]),
-        ("release_ranks_zero", "native", frame(2, 7, "d", 0, 0, 7, 5, [1]), ["field"]),
+        ("access_done_confirm_int", "native", frame(V, 5, "d", 0, 1, 7, 5, 0, 1, 1, 0, 1.0), ["field"]),
+        ("access_done_to_rank_negative", "native", frame(V, 5, "d", 0, 1, 7, 5, -1, 1, 1, True, 1.0), ["field"]),
+        ("access_done_v2_arity", "native", frame(V, 5, "d", 0, 1, 7, 5, 1, 1, True, 1.0), ["arity"]),
+        ("access_done_ack_outcome_3", "native", frame(V, 6, "p", 0, 5, 0, 7, 1, 1, 3), ["field"]),
+        ("release_ranks_zero", "native", frame(V, 7, "d", 0, 0, 7, 5, [1], False), ["field"]),
+        ("release_posted_int", "native", frame(V, 7, "d", 0, 1, 7, 5, [1], 1), ["field"]),
+        ("release_v2_arity", "native", frame(V, 7, "d", 0, 1, 7, 5, [1]), ["arity"]),
         ("vllm_empty", "vllm", b"", ["frame"]),
         ("vllm_not_utf8", "vllm", b"HB:\xff\xfe", ["frame"]),
         ("vllm_no_colon", "vllm", b"req-1", ["frame"]),
@@ -1375,6 +1556,10 @@ SCENARIOS = [
     failed_transfer,
     expiry_edges,
     bounds,
+    mismatched_terms,
+    posted_failed_push,
+    multi_part_to_rank,
+    ack_bound,
 ]
 
 

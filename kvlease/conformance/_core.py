@@ -80,12 +80,18 @@ class CoreImplementation:
             role = spec.get("role")
             engine_id = _str(spec, "engine_id")
             rank, ranks = _int(spec, "rank", 0), _int(spec, "ranks", 1)
+            # Format 2: an endpoint may run other settings than the vector's (a deployment
+            # whose two sides were configured apart): its "config" overrides those keys.
+            own = spec.get("config", {})
+            if not isinstance(own, dict):
+                raise VectorFormatError(f"endpoint {name!r}: config must be an object")
+            ep_config = config.with_changes(**own) if own else config
             if role == "pinner":
                 inc = _int(spec, "incarnation")
-                self._endpoints[name] = Pinner(config, engine_id, inc, rank=rank, ranks=ranks)
+                self._endpoints[name] = Pinner(ep_config, engine_id, inc, rank=rank, ranks=ranks)
             elif role == "accessor":
                 session = _int(spec, "session")
-                self._endpoints[name] = Accessor(config, engine_id, session=session, rank=rank, ranks=ranks)
+                self._endpoints[name] = Accessor(ep_config, engine_id, session=session, rank=rank, ranks=ranks)
             else:
                 raise VectorFormatError(f"endpoint {name!r} has unknown role {role!r}")
         return {"ok": True}

@@ -23,7 +23,7 @@ from ._canonical import FLOAT_TOLERANCE, INFORMATIVE_KEYS, JSON, JSONDict, compa
 __all__ = ["VECTOR_FORMAT", "Implementation", "Mismatch", "VectorResult", "run_vector", "run_vectors"]
 
 #: The version of the vector file format (the ``format`` key of every vector).
-VECTOR_FORMAT = 1
+VECTOR_FORMAT = 2
 
 
 class Implementation(Protocol):

@@ -174,9 +174,7 @@ class _Adversity(_Decode):
                     self._d_output(de, r, out)
             return False
         if api.notify and rngs["notify"].random() < api.notify:
-            req.notes = [
-                (r, dec.targets, dec.notifications) for r, dec in enumerate(decisions) if dec.notifications
-            ]
+            req.notes = [(r, dec.targets, dec.notifications) for r, dec in enumerate(decisions) if dec.notifications]
         if api.exact_end and not req.push and rngs["exact_end"].random() < api.exact_end:
             ends = [dec.valid_until for dec in decisions]
             if all(v is not None for v in ends):

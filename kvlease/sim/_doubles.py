@@ -1,10 +1,12 @@
 """Deliberately broken cores, to show the fault campaign can fail.
 
 Each is a factory with the simulator's `PinnerFactory` / `AccessorFactory` signature. The first
-four build a real `Pinner` or `Accessor` from a *wrong* configuration — the kind of mistake an
-implementation of the protocol could make. The others are the protocol v1 behaviour an
-adversarial review found unsafe through the public API: a subclass of the real core with one v2
-fix switched off (by overriding the private method that implements it), each caught by the
+four build a `Pinner` or `Accessor` from a *wrong* configuration — the kind of mistake an
+implementation of the protocol could make; since v3 an accessor follows the terms its pinner
+states, so a wrong configuration is unsafe only in a pinner that misstates its terms
+(`MisstatingPinner`) or an accessor that ignores them (`OwnTermsAccessor`, v2). The others
+are the protocol v1 behaviour an adversarial review found unsafe through the public API: a
+subclass of the real core with one v2 fix switched off (by overriding the private method that implements it), each caught by the
 campaign's API-level adversity (`ApiSpec`). Used by tests and by ``kvlease sim --campaign N
 --inject-bug NAME``; never by anything else. Pure, like the rest of the simulator.
 """
@@ -17,18 +19,29 @@ from collections.abc import Iterable
 import attrs
 
 from .._accessor import Accessor, _PinnerEngine
-from .._clock import LocalTime
-from .._config import MIN_VALIDITY_MARGIN, LeaseConfig
-from .._events import AccessorOutput, PinnerOutput
-from .._messages import AccessDone, AccessDoneAck, HandshakeReply, Heartbeat, HeartbeatAck, Message, Release
+from .._clock import MAX_TIME, LocalTime
+from .._config import MIN_ACCESS_TIME, MIN_VALIDITY_MARGIN, LeaseConfig
+from .._events import AccessorOutput, PinnerOutput, Send
+from .._messages import (
+    AccessDone,
+    AccessDoneAck,
+    Handshake,
+    HandshakeReply,
+    Heartbeat,
+    HeartbeatAck,
+    Message,
+    Release,
+)
 from .._pinner import LeaseState, Pinner, _Lease
 from ._kernel import AccessorFactory, PinnerFactory
 
 __all__ = [
     "BUGS",
     "ForgetfulAccessor",
+    "MisstatingPinner",
     "NoBindingPinner",
     "NoRankCheckPinner",
+    "OwnTermsAccessor",
     "RenewAtExpiryPinner",
     "RetryAfterPostedFailureAccessor",
     "UnboundHandshakeAccessor",
@@ -40,11 +53,57 @@ __all__ = [
 ]
 
 
+class MisstatingPinner(Pinner):
+    """A pinner that enforces one configuration and states another's terms (its handshake
+    replies and acks name `stated`'s extension, drift bound and access-time bound): the one lie
+    v3's stated terms cannot catch, since the accessor believes what the pinner says."""
+
+    def __init__(self, config: LeaseConfig, stated: LeaseConfig, engine_id: str, incarnation: int, **kw: int) -> None:
+        super().__init__(config, engine_id, incarnation, **kw)
+        self._stated = stated
+
+    def _restate(self, msg: Message) -> Message:
+        if isinstance(msg, HandshakeReply):
+            st = self._stated
+            return attrs.evolve(
+                msg,
+                extension=st.lease_extension,
+                max_drift_rate=st.max_drift_rate,
+                max_access_time=st.max_access_time,
+            )
+        if isinstance(msg, HeartbeatAck):
+            return attrs.evolve(msg, extension=self._stated.lease_extension)
+        return msg
+
+    def handshake_reply(self, now: LocalTime, message: Handshake) -> HandshakeReply:
+        reply = self._restate(super().handshake_reply(now, message))
+        assert isinstance(reply, HandshakeReply)
+        return reply
+
+    def receive(self, now: LocalTime, message: Message) -> tuple[PinnerOutput, ...]:
+        out = super().receive(now, message)
+        return tuple(attrs.evolve(o, message=self._restate(o.message)) if isinstance(o, Send) else o for o in out)
+
+
+class OwnTermsAccessor(Accessor):
+    """v2: validity from the accessor's own configuration alone: the terms a pinner states
+    (in its handshake reply and each ack) are read as the most lenient there are."""
+
+    def handshake_reply(self, now: LocalTime, reply: HandshakeReply) -> tuple[AccessorOutput, ...]:
+        lenient = attrs.evolve(reply, extension=MAX_TIME, max_drift_rate=0.0, max_access_time=MIN_ACCESS_TIME)
+        return super().handshake_reply(now, lenient)
+
+    def receive(self, now: LocalTime, message: Message) -> tuple[AccessorOutput, ...]:
+        if isinstance(message, HeartbeatAck):
+            message = attrs.evolve(message, extension=MAX_TIME)
+        return super().receive(now, message)
+
+
 def short_lease_pinner(config: LeaseConfig, engine_id: str, incarnation: int, rank: int, ranks: int) -> Pinner:
-    """A pinner whose leases are 30% shorter than the accessor assumes (initial lease and
-    every extension): accessors believe leases valid after the pinner freed them."""
+    """A pinner whose leases are 30% shorter than it states (initial lease and every
+    extension): accessors believe leases valid after the pinner freed them."""
     wrong = config.with_changes(kv_lease_duration=config.kv_lease_duration * 0.7)
-    return Pinner(wrong, engine_id, incarnation, rank=rank, ranks=ranks)
+    return MisstatingPinner(wrong, config, engine_id, incarnation, rank=rank, ranks=ranks)
 
 
 def long_lease_pinner(config: LeaseConfig, engine_id: str, incarnation: int, rank: int, ranks: int) -> Pinner:
@@ -55,16 +114,19 @@ def long_lease_pinner(config: LeaseConfig, engine_id: str, incarnation: int, ran
 
 
 def overstated_extension_accessor(config: LeaseConfig, engine_id: str, rank: int, ranks: int, session: int) -> Accessor:
-    """An accessor that computes validity from a 10% longer extension than the pinner grants."""
+    """A v2 accessor (its own terms only) configured with a 10% longer lease than the pinner's:
+    the settings-mismatch stale read of v2. (A v3 accessor so configured is safe: it follows
+    the pinner's stated extension.)"""
     wrong = config.with_changes(kv_lease_duration=config.kv_lease_duration * 1.1)
-    return Accessor(wrong, engine_id, session=session, rank=rank, ranks=ranks)
+    return OwnTermsAccessor(wrong, engine_id, session=session, rank=rank, ranks=ranks)
 
 
 def no_drift_margin_accessor(config: LeaseConfig, engine_id: str, rank: int, ranks: int, session: int) -> Accessor:
     """An accessor whose validity omits the drift shrink and the safety margin (the classic
-    lease bug: trusting that the pinner's clock runs at our rate)."""
+    lease bug: trusting that the pinner's clock runs at our rate), and that ignores the
+    pinner's stated drift bound."""
     wrong = config.with_changes(max_drift_rate=0.0, validity_margin=MIN_VALIDITY_MARGIN)
-    return Accessor(wrong, engine_id, session=session, rank=rank, ranks=ranks)
+    return OwnTermsAccessor(wrong, engine_id, session=session, rank=rank, ranks=ranks)
 
 
 # -- protocol v1 behaviour, one v2 fix off each ------------------------------------------------
