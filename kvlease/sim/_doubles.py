@@ -6,9 +6,9 @@ implementation of the protocol could make; since v3 an accessor follows the term
 states, so a wrong configuration is unsafe only in a pinner that misstates its terms
 (`MisstatingPinner`) or an accessor that ignores them (`OwnTermsAccessor`, v2). The others
 are the protocol v1 behaviour an adversarial review found unsafe through the public API: a
-subclass of the real core with one v2 fix switched off (by overriding the private method that implements it), each caught by the
-campaign's API-level adversity (`ApiSpec`). Used by tests and by ``kvlease sim --campaign N
---inject-bug NAME``; never by anything else. Pure, like the rest of the simulator.
+subclass of the real core with one v2 fix switched off (by overriding the private method that
+implements it), each caught by the campaign's API-level adversity (`ApiSpec`). Used by tests
+and by ``kvlease sim --campaign N --inject-bug NAME``; never by anything else. Pure, like the rest of the simulator.
 """
 
 from __future__ import annotations
