@@ -7,7 +7,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from kvlease.adapters.vllm._transport import HELLO_MAGIC, ConnectorTransport
+from kvlease.adapters.vllm._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
 from kvlease.transports import HandshakeFailed, HandshakeRequest, Inbound, PeerUnreachable, TransferResult
 
 
@@ -118,7 +118,7 @@ def test_external_access_completes_when_vllm_reports_the_read() -> None:
     t.expect("r1")
     h = t.start_read("P", 0, "kv", None, b"done")
     t.expect(None)
-    assert t.notification("r1") == b"done" and t.outstanding("r1")
+    assert t.notifications("r1") == {0: b"done"} and t.outstanding("r1")
     assert t.poll_transfers() == []
     assert t.complete("r1", ok=True)
     assert t.poll_transfers() == [TransferResult(h, True)]
@@ -129,3 +129,51 @@ def test_external_access_completes_when_vllm_reports_the_read() -> None:
     assert not t.outstanding("r2") and not t.complete("r2", ok=True)
     with pytest.raises(NotImplementedError):
         t.register("kv", bytearray(8))
+
+
+def test_a_multi_part_access_keeps_each_pinner_ranks_own_access_done() -> None:
+    """Pinner TP 2, accessor TP 1: one READ per pinner rank, and each part carries the
+    access-done naming its rank (protocol v3), never another rank's."""
+    t = ConnectorTransport(Agent(), "D", 0, {}, lambda e: None)
+    t.expect("r1")
+    h0 = t.start_read("P", 0, "kv", None, b"done-for-0")
+    h1 = t.start_read("P", 1, "kv", None, b"done-for-1")
+    t.expect(None)
+    assert t.notifications("r1") == {0: b"done-for-0", 1: b"done-for-1"}
+    assert t.complete("r1", ok=True)
+    assert t.poll_transfers() == [TransferResult(h0, True), TransferResult(h1, True)]
+    assert t.notifications("r1") == {}
+
+
+class XferAgent(Agent):
+    def __init__(self) -> None:
+        super().__init__()
+        self.posted: list[bytes] = []
+
+    def make_prepped_xfer(self, *args: Any, notif_msg: bytes = b"") -> int:
+        self.posted.append(notif_msg)
+        return len(self.posted)
+
+
+def test_notif_swap_attaches_each_remote_ranks_own_access_done() -> None:
+    """The READ vLLM posts to remote rank r carries rank r's access-done; a post to a rank the
+    access does not target keeps vLLM's own notification (never another rank's, which would
+    free that rank while its part is still running)."""
+    agent = XferAgent()
+    table = {"rid": {0: b"done-0", 1: b"done-1"}}
+    swap = NotifSwap(agent, table, {"P": {(0, 0): "agent-p0", (0, 1): "agent-p1"}})
+    for rank in (1, 0, 2):
+        with swap.for_rank(rank):
+            swap.make_prepped_xfer("READ", 1, [0], 2, [0], notif_msg=b"rid:1")
+    assert agent.posted == [b"done-1", b"done-0", b"rid:1"]
+    # Outside a post (vLLM's notify-only path) the agent's name tells the rank.
+    swap.send_notif("agent-p1", notif_msg=b"rid:1")
+    swap.send_notif(b"agent-p0", notif_msg=b"rid:1")
+    assert agent.sent == [("agent-p1", b"done-1"), (b"agent-p0", b"done-0")]
+    # Requests not under a kvlease lease pass through.
+    swap.send_notif("agent-p0", notif_msg=b"other:1")
+    assert agent.sent[-1] == ("agent-p0", b"other:1")
+    # A single-part access (pinner TP <= accessor TP) needs no rank.
+    table["one"] = {3: b"done-3"}
+    swap.make_prepped_xfer("READ", 1, [0], 2, [0], notif_msg=b"one:2")
+    assert agent.posted[-1] == b"done-3"

@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import msgpack
@@ -40,7 +41,7 @@ from kvlease.transports import (
     TransferResult,
 )
 
-__all__ = ["HELLO_MAGIC", "ConnectorTransport"]
+__all__ = ["HELLO_MAGIC", "ConnectorTransport", "NotifSwap"]
 
 log = logging.getLogger("kvlease.adapters.vllm")
 
@@ -84,7 +85,7 @@ class ConnectorTransport:
         self._handles = itertools.count(1)
         self._expect: str | None = None
         self._external: dict[str, list[int]] = {}  # request key -> handles of its access
-        self._notif: dict[str, bytes] = {}  # request key -> the access-done to attach to vLLM's READ
+        self._notif: dict[str, dict[int, bytes]] = {}  # request key -> pinner rank -> its access-done
         self._done: list[TransferResult] = []
         self.dropped_hellos = 0
 
@@ -263,9 +264,10 @@ class ConnectorTransport:
         """The next `start_read`/`start_write` calls belong to request `key` (None: none)."""
         self._expect = key
 
-    def notification(self, key: str) -> bytes | None:
-        """The access-done the driver asked to attach to `key`'s transfer."""
-        return self._notif.get(key)
+    def notifications(self, key: str) -> dict[int, bytes]:
+        """The access-done the driver asked to attach to each part of `key`'s transfer, by the
+        pinner rank the part reads (protocol v3: each names its rank)."""
+        return dict(self._notif.get(key, {}))
 
     def _start(self, engine_id: str, rank: int, notif: bytes | None) -> int:
         key = self._expect
@@ -274,7 +276,7 @@ class ConnectorTransport:
         h = next(self._handles)
         self._external.setdefault(key, []).append(h)
         if notif is not None:
-            self._notif[key] = notif
+            self._notif.setdefault(key, {})[rank] = notif
         return h
 
     def start_read(self, engine_id: str, rank: int, region: str, into: object, notif: bytes | None) -> int:
@@ -326,3 +328,70 @@ class ConnectorTransport:
     def close(self) -> None:
         self._inbound.clear()
         self._handshakes.clear()
+
+
+class NotifSwap:
+    """vLLM's NIXL agent, except that the notification vLLM attaches to a READ (``"id:count"``)
+    is replaced by kvlease's access-done for requests under a kvlease lease.
+
+    A multi-part access (pinner TP > accessor TP) has one access-done per pinner rank (each
+    names the rank it is for, protocol v3): the swap picks the part's by the remote rank vLLM
+    is posting to, which the worker sets around each post (`for_rank`, per thread: vLLM's push
+    writer posts from its own thread) or which the agent's name tells (``send_notif``)."""
+
+    def __init__(self, agent: Any, table: dict[str, dict[int, bytes]], agents: dict[str, dict[Any, str]]) -> None:
+        self._kvlease_agent = agent
+        self._kvlease_table = table
+        self._kvlease_agents = agents  # vLLM's _remote_agents: engine -> {(dcp, rank): agent name}
+        self._kvlease_rank = threading.local()
+
+    @contextlib.contextmanager
+    def for_rank(self, rank: int) -> Iterator[None]:
+        """Posts made inside go to remote rank `rank`."""
+        self._kvlease_rank.value = rank
+        try:
+            yield
+        finally:
+            self._kvlease_rank.value = None
+
+    def _rank_of(self, agent_name: Any) -> int | None:
+        name = agent_name.decode() if isinstance(agent_name, bytes) else str(agent_name)
+        for agents in self._kvlease_agents.values():
+            for key, known in agents.items():
+                if known == name:
+                    return int(key[-1]) if isinstance(key, tuple) else int(key)
+        return None
+
+    def _swap(self, notif: Any, rank: int | None = None) -> Any:
+        if self._kvlease_table and isinstance(notif, bytes | str):
+            raw = notif.encode() if isinstance(notif, str) else notif
+            rid, sep, _count = raw.rpartition(b":")
+            if sep:
+                parts = self._kvlease_table.get(rid.decode("utf-8", "replace"))
+                if parts:
+                    if rank is None:
+                        rank = getattr(self._kvlease_rank, "value", None)
+                    if rank is not None and rank in parts:
+                        return parts[rank]
+                    if rank is None and len(parts) == 1:
+                        return next(iter(parts.values()))
+                    # A rank the access does not target (or an unknown post): never another
+                    # rank's access-done, which would free that rank while its part runs.
+                    log.warning("kvlease: no access-done for remote rank %s of %r: vLLM's kept", rank, rid)
+        return notif
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        if "notif_msg" in kwargs:
+            kwargs["notif_msg"] = self._swap(kwargs["notif_msg"])
+        elif len(args) >= 6:
+            args = (*args[:5], self._swap(args[5]), *args[6:])
+        return self._kvlease_agent.make_prepped_xfer(*args, **kwargs)
+
+    def send_notif(self, agent_name: Any, notif_msg: Any = b"", *args: Any, **kwargs: Any) -> Any:
+        rank = getattr(self._kvlease_rank, "value", None)
+        if rank is None:
+            rank = self._rank_of(agent_name)
+        return self._kvlease_agent.send_notif(agent_name, self._swap(notif_msg, rank), *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kvlease_agent, name)

@@ -57,7 +57,7 @@ from kvlease import (
 
 from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
 from ._settings import AdapterSettings, read_settings
-from ._transport import HELLO_MAGIC, ConnectorTransport
+from ._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -190,38 +190,6 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 # -- worker side ---------------------------------------------------------------------------------
 
 
-class _NotifSwap:
-    """vLLM's NIXL agent, except that the notification vLLM attaches to a READ (``"id:count"``)
-    is replaced by kvlease's access-done for requests under a kvlease lease."""
-
-    def __init__(self, agent: Any, table: dict[str, bytes]) -> None:
-        self._kvlease_agent = agent
-        self._kvlease_table = table
-
-    def _swap(self, notif: Any) -> Any:
-        if self._kvlease_table and isinstance(notif, bytes | str):
-            raw = notif.encode() if isinstance(notif, str) else notif
-            rid, sep, _count = raw.rpartition(b":")
-            if sep:
-                repl = self._kvlease_table.get(rid.decode("utf-8", "replace"))
-                if repl is not None:
-                    return repl
-        return notif
-
-    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
-        if "notif_msg" in kwargs:
-            kwargs["notif_msg"] = self._swap(kwargs["notif_msg"])
-        elif len(args) >= 6:
-            args = (*args[:5], self._swap(args[5]), *args[6:])
-        return self._kvlease_agent.make_prepped_xfer(*args, **kwargs)
-
-    def send_notif(self, agent_name: Any, notif_msg: Any = b"", *args: Any, **kwargs: Any) -> Any:
-        return self._kvlease_agent.send_notif(agent_name, self._swap(notif_msg), *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._kvlease_agent, name)
-
-
 class _KvleaseWorkerBase:
     """What the pull and the push worker share: the kvlease driver, built on the first step
     (the pinner needs the incarnation the scheduler sends), and the driver's counters reported
@@ -294,9 +262,9 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         both = bool(self._bidirectional_kv_xfer_enabled) or role == "kv_both"
         self._kv_pinner_role = role == "kv_producer" or both
         self._kv_accessor_role = role == "kv_consumer" or both
-        self._kv_swap: dict[str, bytes] = {}  # remote request id -> access-done to attach
+        self._kv_swap: dict[str, dict[int, bytes]] = {}  # remote request id -> rank -> access-done
         agent: Any = self.nixl_wrapper
-        self.nixl_wrapper = _NotifSwap(agent, self._kv_swap)
+        self.nixl_wrapper = NotifSwap(agent, self._kv_swap, self._remote_agents)
         self._kv_engines: dict[str, dict[str, Any]] = {}  # producer -> its side channel, as vLLM names it
         self.kvlease_transport = ConnectorTransport(
             self.nixl_wrapper, engine_id, self.transfer_tp_rank, self._remote_agents, self._kv_handshake
@@ -390,6 +358,11 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 
     # -- the READ ----------------------------------------------------------------------------
 
+    def _read_blocks(self, read_spec: Any, *args: Any, **kwargs: Any) -> Any:
+        # One READ per remote rank: its notification is that rank's access-done.
+        with self.nixl_wrapper.for_rank(int(read_spec.remote_rank)):
+            return super()._read_blocks(read_spec, *args, **kwargs)
+
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         driver = self.kvlease_driver
         ticket = self._kv_tickets.get(req_id)
@@ -426,10 +399,10 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                 return None
             self._kv_refuse(req_id, decision.reason)
             return None
-        notif = self.kvlease_transport.notification(req_id)
+        notifs = self.kvlease_transport.notifications(req_id)
         remote_id = meta.remote.request_id
-        if notif is not None:
-            self._kv_swap[remote_id] = notif
+        if notifs:
+            self._kv_swap[remote_id] = notifs
             self._kv_remote_id[req_id] = remote_id
         self._kv_reading.add(req_id)
         # A turn-2 READ is judged by the accessor (fixed-TTL lease, continuous clock-offset

@@ -101,8 +101,8 @@ from kvlease import (
 
 from ._metrics import KVLEASE_COUNTERS, PUSH_COUNTERS, KvleaseConnectorStats
 from ._settings import AdapterSettings, read_settings
-from ._transport import HELLO_MAGIC, ConnectorTransport
-from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase, _NotifSwap
+from ._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
+from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -188,13 +188,19 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
 # -- worker side ---------------------------------------------------------------------------------
 
 
-class _PushAgent(_NotifSwap):
+class _PushAgent(NotifSwap):
     """The agent as vLLM's push writer sees it: WRITE notifications swapped for kvlease's
-    access-done (`_NotifSwap`), and ``get_new_notifs`` returning only ``PUSH_REG``; every other
+    access-done (`NotifSwap`), and ``get_new_notifs`` returning only ``PUSH_REG``; every other
     notification is queued, with its sender, for the engine's main thread."""
 
-    def __init__(self, agent: Any, table: dict[str, bytes], inbox: queue.SimpleQueue[tuple[str, bytes]]) -> None:
-        super().__init__(agent, table)
+    def __init__(
+        self,
+        agent: Any,
+        table: dict[str, dict[int, bytes]],
+        agents: dict[str, dict[Any, str]],
+        inbox: queue.SimpleQueue[tuple[str, bytes]],
+    ) -> None:
+        super().__init__(agent, table, agents)
         self._kvlease_inbox = inbox
 
     def get_new_notifs(self) -> dict[Any, list[bytes]]:
@@ -223,9 +229,9 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
             role == "kv_producer" and self.kvlease_settings.vllm_compat
         )
         self._kv_accessor_role = role in ("kv_producer", "kv_both")
-        self._kv_swap: dict[str, bytes] = {}  # decoder request id -> access-done for its WRITE
+        self._kv_swap: dict[str, dict[int, bytes]] = {}  # decoder request id -> rank -> access-done
         self._kv_inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
-        self.nixl_wrapper = _PushAgent(self.nixl_wrapper, self._kv_swap, self._kv_inbox)
+        self.nixl_wrapper = _PushAgent(self.nixl_wrapper, self._kv_swap, self._remote_agents, self._kv_inbox)
         self._kv_engines: dict[str, dict[str, Any]] = {}
         self.kvlease_transport = ConnectorTransport(
             self.nixl_wrapper, engine_id, self.transfer_tp_rank, self._remote_agents, self._kv_handshake
@@ -351,9 +357,9 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
                 self.kvlease_transport.expect(None)
             if not decision.allowed:
                 continue  # not covered yet (no acknowledged heartbeat): asked again next step
-            notif = self.kvlease_transport.notification(rid)
-            if notif is not None:
-                self._kv_swap[rid] = notif
+            notifs = self.kvlease_transport.notifications(rid)
+            if notifs:
+                self._kv_swap[rid] = notifs
             assert decision.valid_until is not None
             self._kv_writing.add(rid)
             self._kv_gate[rid] = float(decision.valid_until)
@@ -466,14 +472,15 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
             if time.monotonic() + self._kv_access_time > valid_until:
                 self._kv_refused.put((request_id, remote_request_id))
                 return None
-        handle: int | None = super()._xfer_blocks(
-            read_spec,
-            dst_engine_id,
-            request_id,
-            remote_request_id,
-            local_xfer_side_handle,
-            remote_xfer_side_handle,
-        )
+        with self.nixl_wrapper.for_rank(int(read_spec.remote_rank)):  # that rank's access-done
+            handle: int | None = super()._xfer_blocks(
+                read_spec,
+                dst_engine_id,
+                request_id,
+                remote_request_id,
+                local_xfer_side_handle,
+                remote_xfer_side_handle,
+            )
         return handle
 
     def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> None:
