@@ -654,7 +654,7 @@ def heartbeat_batching() -> Recorder:
         "heartbeat_batching",
         "60 leases on one pinner with a 192-byte message bound "
         "(a small-notification backend): the accessor splits its heartbeat by the exact "
-        "rule of spec §4.3 (budget = 192 - max(52 + 8, 114 + 9) = 69 bytes; each chunk "
+        "rule of spec §4.3 (budget = 192 - max(52 + 8, 125 + 9) = 58 bytes; each chunk "
         "costs 5 + size(first id) + the sizes of every other id's distance from the "
         "first), so every heartbeat and every ack answering it stays within the bound.",
         cfg,
