@@ -322,6 +322,17 @@ PROBES: dict[str, st.SearchStrategy[Any]] = {
         st.integers(-(2**33), 2**33),
     ),
     "bool": st.sampled_from([True, False, 0, 1, None, "true"]),
+    "duration": st.one_of(
+        st.sampled_from([0, 0.0, -0.0, -1.0, 5e-324, 1, MAX_TIME, MAX_TIME + 1, T_MAX, T_MAX + 1, math.nan, math.inf]),
+        st.sampled_from([True, None, "1.0"]),
+        st.floats(),
+        st.integers(-(2**33), 2**33),
+    ),
+    "rate": st.one_of(
+        st.sampled_from([0, 0.0, -0.0, 1e-4, 0.5, math.nextafter(1.0, 0.0), 1, 1.0, -1e-9, math.nan, math.inf]),
+        st.sampled_from([True, None, "0"]),
+        st.floats(),
+    ),
     "ids": st.one_of(
         st.sampled_from([(3, 2), (1, 1), (-1,), (U64_MAX + 1,), (0, U64_MAX + 1), (True,), (1.5,), (0,), ()]),
         st.lists(st.integers(-3, 2**64 + 3), max_size=6).map(tuple),

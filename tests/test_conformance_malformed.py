@@ -86,8 +86,8 @@ def test_protocol_errors_are_answered_as_errors_not_raised() -> None:
     ("op", "hex_", "category"),
     [
         ("receive", "c14b9103", "body"),  # an array of one item
-        ("receive", "c14b920263", "type"),  # version 2, type 99
-        ("handshake", "c14b920263", "type"),
+        ("receive", "c14b920363", "type"),  # version 3, type 99
+        ("handshake", "c14b920363", "type"),
     ],
 )
 def test_a_decode_error_in_a_step_carries_its_category(op: str, hex_: str, category: str) -> None:

@@ -202,18 +202,18 @@ def test_the_smallest_allowed_values_are_accepted() -> None:
 
 
 def test_the_smallest_message_bound_fits_the_engine_ids_it_promises() -> None:
-    """At 192 bytes a pinner id of 62 bytes and an accessor id of 124 bytes still leave room for
+    """At 192 bytes a pinner id of 51 bytes and an accessor id of 124 bytes still leave room for
     a full-size lease id in a heartbeat and its ack; one byte more is a ConfigError naming the
-    setting (heartbeat_id_budget = mmb - max(52 + accessor id, 114 + pinner id) >= 16)."""
+    setting (heartbeat_id_budget = mmb - max(52 + accessor id, 125 + pinner id) >= 16)."""
     c = LeaseConfig(max_message_bytes=MIN_MESSAGE_BYTES)
-    Pinner(c, "p" * 62, 1)
+    Pinner(c, "p" * 51, 1)
     Accessor(c, "a" * 124, session=1)
     with pytest.raises(ConfigError, match="max_message_bytes"):
-        Pinner(c, "p" * 63, 1)
+        Pinner(c, "p" * 52, 1)
     with pytest.raises(ConfigError, match="max_message_bytes"):
         Accessor(c, "a" * 125, session=1)
     with pytest.raises(ConfigError, match="max_message_bytes"):
-        Pinner(c, "\u00e9" * 32, 1)  # 64 bytes: the bound counts bytes, not characters
+        Pinner(c, "\u00e9" * 26, 1)  # 52 bytes: the bound counts bytes, not characters
 
 
 def test_check_time_bounds() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import attrs
 import pytest
 from conftest import EXAMPLES, STEPS
 from hypothesis import Phase, settings
@@ -24,13 +25,18 @@ from hypothesis.stateful import (
 
 from kvlease import (
     MIN_VALIDITY_MARGIN,
+    Accessor,
+    AccessorOutput,
     AccessStale,
     EndReason,
+    HandshakeReply,
     LeaseConfig,
     LeaseKind,
     LeaseLost,
+    LocalTime,
     TrackedState,
 )
+from kvlease._terms import LeaseTerms
 from kvlease.testing import InvariantViolation, LinkProfile, Pair, PeerClock
 
 
@@ -43,8 +49,8 @@ def _profiles(cfg: LeaseConfig, good: bool) -> tuple[LinkProfile, LinkProfile]:
 
 
 class LeaseMachine(RuleBasedStateMachine):
-    #: Builds the accessor's config from the honest one; the broken-accessor test swaps it.
-    accessor_config: Any = staticmethod(lambda cfg: cfg)
+    #: The accessor's class; the broken-accessor test swaps it.
+    accessor_cls: Any = Accessor
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,7 +103,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.pair = Pair(
             cfg,
             random.Random(seed),
-            accessor_config=self.accessor_config(cfg),
+            accessor_cls=self.accessor_cls,
             pinner_clock=PeerClock(epochs[0], 1.0 + rate_signs[0] * drift),
             accessor_clock=PeerClock(epochs[1], 1.0 + rate_signs[1] * drift),
             to_pinner=to_p,
@@ -246,28 +252,41 @@ TestLeaseMachine = LeaseMachine.TestCase
 TestLeaseMachine.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None)
 
 
-class _OverstatedConfig(LeaseConfig):
-    """A broken accessor's settings: validity 10 % past the pinner's extension."""
+class _BrokenTermsAccessor(Accessor):
+    """An accessor that gets the validity window wrong from the terms it agreed (v3: the
+    window comes from `LeaseTerms`, the stricter of its own and the pinner's stated terms)."""
 
-    @property
-    def accessor_extension(self) -> float:
-        return self.lease_extension * 1.1
+    def _window(self, terms: LeaseTerms) -> float:
+        raise NotImplementedError
+
+    def handshake_reply(self, now: LocalTime, reply: HandshakeReply) -> tuple[AccessorOutput, ...]:
+        out = super().handshake_reply(now, reply)
+        eng = self._engines.get(reply.engine_id)
+        if eng is not None:
+            eng.terms = attrs.evolve(eng.terms, accessor_extension=self._window(eng.terms))
+        return out
 
 
-class _NoDriftConfig(LeaseConfig):
+class _OverstatedConfig(_BrokenTermsAccessor):
+    """Validity 10 % past the pinner's extension."""
+
+    def _window(self, terms: LeaseTerms) -> float:
+        return terms.extension * 1.1
+
+
+class _NoDriftConfig(_BrokenTermsAccessor):
     """A subtler break: the margin kept, the drift correction forgotten."""
 
-    @property
-    def accessor_extension(self) -> float:
-        return self.lease_extension - self.validity_margin
+    def _window(self, terms: LeaseTerms) -> float:
+        return terms.extension - terms.validity_margin
 
 
 @pytest.mark.parametrize("broken", [_OverstatedConfig, _NoDriftConfig])
-def test_checker_flags_a_broken_accessor(broken: type[LeaseConfig]) -> None:
+def test_checker_flags_a_broken_accessor(broken: type[Accessor]) -> None:
     """The model is only worth something if it fails on a core that overstates validity."""
 
     class Broken(LeaseMachine):
-        accessor_config = staticmethod(lambda cfg: broken(**{a: getattr(cfg, a) for a in _FIELDS}))
+        accessor_cls = broken
         # Where the break shows: the widest drift, no margin, the pinner's clock fast and ours slow.
         DRIFTS = (1e-2,)
         MARGINS = (0.0,)
@@ -285,6 +304,3 @@ def test_checker_flags_a_broken_accessor(broken: type[LeaseConfig]) -> None:
                 database=None,
             ),
         )
-
-
-_FIELDS = [a.name for a in LeaseConfig.__attrs_attrs__]
