@@ -1132,7 +1132,7 @@ def bounds() -> Recorder:
 
 
 def mismatched_terms() -> Recorder:
-    d_config = {"kv_lease_duration": 30.0}
+    d_config: JSONDict = {"kv_lease_duration": 30.0}
     long = BASE.with_changes(**d_config)
     r = Recorder(
         "mismatched_terms",
