@@ -52,6 +52,7 @@ from kvlease._codec import (
     MAX_ENGINE_ID_BYTES,
     MAX_IDS,
     MIN_ID_BUDGET,
+    chunk_cost,
     heartbeat_id_budget,
     ids_encoded_size,
 )
@@ -834,3 +835,12 @@ def test_a_huge_budget_still_splits_at_the_decoders_list_bound() -> None:
     assert [len(c) for c in chunks] == [MAX_IDS, MAX_IDS, 300_000 - 2 * MAX_IDS]
     for c in chunks:
         assert _decode_as(encode(Heartbeat("d", 0, 1, 0, 0, 1, LocalTime(1.0), c)), Heartbeat).lease_ids == c
+
+
+@given(SORTED_IDS)
+@example(())
+@example((0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, U64_MAX))
+def test_chunk_cost_is_the_split_rules_sum(ids: tuple[int, ...]) -> None:
+    """`chunk_cost` counts by bisection (a pinner checks it per heartbeat); it is exactly the
+    spec's ``5 + size(first) + sum(size(v - first))`` (PROTOCOL.md §4.3)."""
+    assert chunk_cost(ids) == (_cost(ids) if ids else 0)
