@@ -13,7 +13,6 @@ One field table per message (`_FIELDS`) drives both the general encoder and deco
 from __future__ import annotations
 
 import bisect
-
 import math
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate

@@ -890,3 +890,110 @@ def test_9_restarted_accessor_gets_ok_from_the_tombstone_for_a_read_after_the_fr
     # The read began ten seconds after the free: it must not be reported done.
     assert_no_stale_completion(free, events, "k", "a restarted accessor was confirmed from the tombstone")
     assert outcomes(verdicts) == [AccessOutcome.STALE]
+
+
+# == 10. protocol v3: the deployment is part of the fault model ====================================
+#
+# Each test FAILED on the protocol-v2 core (commit f6bd4b1) with the unsafe outcome in its
+# docstring; v3's mechanism is in the last sentence.
+
+
+def test_10a_settings_apart_never_give_a_window_the_pinner_does_not_honour() -> None:
+    """v2: P at kv_lease_duration 6 (extension 4 s), D at 30: D counted the lease valid 19.9 s
+    after its acked heartbeat, P freed it 4 s after; a read at +10 s was reported
+    AccessCompleted on freed memory. v3: P states its terms, D takes the stricter."""
+    short, long = CFG.with_changes(kv_lease_duration=6.0), CFG.with_changes(kv_lease_duration=30.0)
+    pin = make_pinner(short, PIN, INC)
+    tk = pin.grant(p(10.0), "k")
+    acc = make_accessor(long, ACC)
+    assert handshake(acc, acc.track(a(100.0), "k", tk), pin, a(100.0), p(10.0)) == []
+    assert heartbeat_round(acc, [pin], a(100.0), p(10.0)) == []
+    v = acc.valid_until("k")
+    assert v is not None and v <= A_EPOCH + 100.0 + short.accessor_extension + 1e-9
+    assert v < A_EPOCH + 100.0 + long.accessor_extension - 15.0
+    # D stops heartbeating (overloaded); P's lease runs out at p(16): max(10 + 6, 10 + 4).
+    (free,) = pin.handle_timeout(p(16.0))
+    assert isinstance(free, Free) and free.lease_id == tk.lease_id
+    events = read(acc, "k", a(110.0), a(110.5), notified=False)
+    assert_no_stale_completion(free, events, "k", "a window from the accessor's own, longer lease")
+    # And D heartbeats at a quarter of P's stated extension, not its own period (5 s).
+    nd = acc.next_deadline()
+    assert nd is None or nd <= A_EPOCH + 100.0 + short.lease_extension / 4 + 1e-9
+
+
+def test_10b_a_posted_failed_push_write_keeps_the_destination_until_expiry_and_guard() -> None:
+    """v2: push lease, guaranteed begin_access, the WRITE fails after posting (it may still
+    land), access_failed(posted=True) -> Release -> Free(released) at once, 50 ms later, while
+    the WRITE could land until begin + A. v3: Release(posted=True) holds it to expiry + G."""
+    pin = make_pinner(CFG, PIN, INC)
+    tk = pin.grant(p(10.0), "k", push=True)
+    acc = make_accessor(CFG, ACC)
+    assert handshake(acc, acc.track(a(100.0), "k", tk, push=True), pin, a(100.0), p(10.0)) == []
+    assert heartbeat_round(acc, [pin], a(100.0), p(10.0)) == []  # P: expiry max(40, 30) = p(40)
+    assert acc.begin_access(a(100.1), "k").guaranteed
+    out = acc.access_failed(a(100.15), "k", posted=True)
+    (rel,) = messages(out, Release)
+    assert rel.posted
+    got = pin.receive(p(10.16), wire(rel))
+    assert free_of(got, tk.lease_id) is None, f"UNSAFE: freed while the posted WRITE may land: {got}"
+    write_may_land_until = 10.1 + CFG.max_access_time
+    assert pin.handle_timeout(p(write_may_land_until + 0.01)) == ()
+    assert pin.handle_timeout(p(40.0)) == ()  # expired: quarantined for the guard
+    (free,) = pin.handle_timeout(p(40.0 + CFG.push_guard))
+    assert isinstance(free, Free) and free.lease_id == tk.lease_id
+
+
+def test_10c_one_parts_access_done_misdelivered_to_a_sibling_rank_frees_nothing() -> None:
+    """v2: pinner TP 2, accessor TP 1: every part carried the same AccessDone; part 1's,
+    delivered to pinner rank 0 (the wrong rank of the right engine), freed rank 0 while the
+    READ from rank 0 was still running, and the access was reported AccessCompleted. v3: each
+    part's access-done names its pinner rank, and a rank refuses another's."""
+    pins = [make_pinner(CFG, PIN, INC, rank=r, ranks=2) for r in range(2)]
+    tk = pins[0].grant(p(10.0), "k")
+    pins[1].grant(p(10.0), "k")
+    acc = make_accessor(CFG, ACC)
+    assert handshake(acc, acc.track(a(100.0), "k", tk), pins[0], a(100.0), p(10.0)) == []
+    assert heartbeat_round(acc, pins, a(100.0), p(10.0)) == []
+    d = acc.begin_access(a(101.0), "k")
+    assert d.guaranteed and d.targets == (0, 1)
+    part1 = d.notification_for(1)
+    assert part1.to_rank == 1 and d.notification_for(0).to_rank == 0
+    with pytest.raises(LocalProtocolError, match="notification_for"):
+        _ = d.notification  # one notification for several parts is exactly the v2 hole
+    got = pins[0].receive(p(11.1), wire(part1))  # rank 0's own part is still running
+    assert_rejected_not_freed(got, "another part's access-done at pinner rank 0")
+    assert free_of(pins[0].receive(p(11.2), wire(d.notification_for(0))), tk.lease_id) is not None
+    assert free_of(pins[1].receive(p(11.2), wire(part1)), tk.lease_id) is not None
+    assert completions(acc.access_finished(a(101.5), "k", notified=True), "k")
+
+
+def test_10d_a_heartbeat_whose_ack_cannot_fit_is_refused_not_answered() -> None:
+    """v2: a heartbeat of ids 2**32 apart was answered by an ack larger than max_message_bytes
+    (and, near the 1 MiB frame bound, by one `encode` refused: EncodeError raised into the
+    driver's step). v3: a heartbeat whose ack could exceed the pinner's bound gets Rejected and
+    no ack; every ack the pinner makes fits by construction."""
+    pin = make_pinner(CFG, PIN, INC)
+    ids = tuple(1 + i * 2**32 for i in range(150))  # 9 bytes each: ~1.4 KB, over 1024
+    hb = Heartbeat(ACC, 0, 1, session_of(ACC, 0), INC, 1, a(100.0), ids)
+    out = pin.receive(p(10.0), wire(hb))
+    assert len(out) == 1 and isinstance(out[0], Rejected) and "budget" in out[0].reason, out
+    # Just under the 1 MiB frame bound, every field at its widest, to a pinner with a 200-byte
+    # id: v2's ack was 125 bytes over the bound and `encode` raised.
+    wide = make_pinner(CFG, "p" * 200, INC)
+    near = tuple(1 + i * 2**32 for i in range(116_495))
+    big = Heartbeat(ACC, 0, 1, 2**64 - 1, INC, 2**64 - 1, a(100.0), near)
+    assert len(encode(big)) > 2**20 - 100
+    out = wide.receive(p(10.0), decode(encode(big)))
+    assert not sends(out) and rejections(out)
+    # An honest accessor's heartbeats (split by both bounds) are all answered within the bound.
+    acc = make_accessor(CFG, ACC)
+    tks = [pin.grant(p(11.0), f"k{i}", lease_id=1 + i * 2**32) for i in range(1, 150)]
+    for i, tk in enumerate(tks):
+        out = acc.track(a(101.0), f"k{i}", tk)
+        if i == 0:
+            assert handshake(acc, out, pin, a(101.0), p(11.0)) == []
+    hbs = sends(acc.handle_timeout(a(101.0)), Heartbeat)
+    assert len(hbs) > 1
+    for s in hbs:
+        (ack,) = sends(pin.receive(p(11.0), wire(s.message)))
+        assert len(encode(ack.message)) <= CFG.max_message_bytes

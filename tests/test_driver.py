@@ -614,3 +614,33 @@ async def test_an_engine_call_wakes_a_sleeping_run() -> None:
         await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
         p.close()
         d.close()
+
+
+def test_a_heartbeat_whose_ack_cannot_fit_never_raises_into_the_step() -> None:
+    """Protocol v3, hole 4: a heartbeat just under the 1 MiB frame bound, ids 2**32 apart, every
+    field at its widest, sent to a pinner whose engine id is long. v2 built an ack 125 bytes
+    over the frame bound and `encode` raised out of `Driver.step()` (in vLLM, into
+    `get_transfer_results`). v3: refused, counted, no reply, and the driver keeps serving."""
+    engine = "p" * 120
+    t = ZmqTransport(engine, bind="tcp://127.0.0.1:0")
+    p = Driver(t, pinner=Pinner(CFG, engine, random.getrandbits(63)), log_interval=60.0)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.IDENTITY, b"X\x000")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(p.transport.address)
+    try:
+        near = tuple(1 + i * 2**32 for i in range(116_495))
+        big = encode(Heartbeat("X", 0, 1, 2**64 - 1, 5, 2**64 - 1, LocalTime(1.0), near))
+        assert len(big) > 2**20 - 100
+        raw.send_multipart([b"M", big])
+        events = _pump([p], lambda: p.stats.rejected_messages >= 1, timeout=20.0)
+        assert any(isinstance(e, Rejected) and "budget" in e.reason for e in events)
+        assert not raw.poll(300)  # no ack at all
+        # Still serving: an ordinary heartbeat is answered.
+        raw.send_multipart([b"M", encode(Heartbeat("X", 0, 1, 9, 5, 1, LocalTime(1.0), (1,)))])
+        _pump([p], lambda: bool(raw.poll(0)), timeout=5.0)
+        kind, reply = raw.recv_multipart()
+        assert kind == b"M" and len(reply) <= CFG.max_message_bytes
+    finally:
+        raw.close(0)
+        p.close()
