@@ -83,6 +83,7 @@ import pytest
 
 from kvlease import (
     MAX_TIME,
+    MIN_ACCESS_TIME,
     MIN_VALIDITY_MARGIN,
     AccessCompleted,
     AccessDone,
@@ -895,7 +896,13 @@ def test_9_restarted_accessor_gets_ok_from_the_tombstone_for_a_read_after_the_fr
 # == 10. protocol v3: the deployment is part of the fault model ====================================
 #
 # Each test FAILED on the protocol-v2 core (commit f6bd4b1) with the unsafe outcome in its
-# docstring; v3's mechanism is in the last sentence.
+# docstring; v3's mechanism is in the last sentence. Measured on v2 (the tests that use only v2
+# calls were run there unchanged; the others by the same sequence in v2's API): 10a
+# `guaranteed` at +10 s with a 19.946 s window on a lease P freed at +6 s; 10b Free(released)
+# 0.06 s after begin_access; 10c (v2 had one notification for both parts) rank 0 freed by part
+# 1's; 10d a 1,366 B heartbeat answered by a 1,379 B ack (bound 1,024), and EncodeError near
+# 1 MiB; 10e 1,123 of 5,000 live leases given up; 10f no lease validated; 10g the new lease lost
+# as pinner_restarted; 10h LeaseConfig(max_access_time=0) accepted, push_guard 0.
 
 
 def test_10a_settings_apart_never_give_a_window_the_pinner_does_not_honour() -> None:
@@ -997,3 +1004,91 @@ def test_10d_a_heartbeat_whose_ack_cannot_fit_is_refused_not_answered() -> None:
     for s in hbs:
         (ack,) = sends(pin.receive(p(11.0), wire(s.message)))
         assert len(encode(ack.message)) <= CFG.max_message_bytes
+
+
+def test_10e_many_leases_at_a_small_bound_all_validate() -> None:
+    """v2 (hole 5a): 5,000 leases at max_message_bytes=192: the periodic round is 81 chunks; a
+    round of new ids sent before its acks came back cut the outstanding records to 63 (the
+    bound counted chunks), so with requests arriving every period the same first chunks were
+    dropped each time: 1,123 leases never validated and were given up while P kept them
+    active. v3: the bound counts rounds, and a round is never cut apart."""
+    cfg = CFG.with_changes(max_message_bytes=192)
+    pin = make_pinner(cfg, PIN, INC)
+    acc = make_accessor(cfg, ACC)
+    tks = [pin.grant(p(10.0), f"k{i}") for i in range(5000)]
+    assert handshake(acc, acc.track(a(100.0), "k0", tks[0]), pin, a(100.0), p(10.0)) == []
+    for i, tk in enumerate(tks[1:], 1):
+        assert acc.track(a(100.0), f"k{i}", tk) == ()
+    events: list[object] = []
+    for n in range(8):  # 40 s: past the give-up time of a lease never validated (d = 30 s)
+        t = 100.0 + 5.0 * n
+        periodic = acc.handle_timeout(a(t))
+        events.extend(not_sends(periodic))
+        assert n > 0 or len(sends(periodic, Heartbeat)) > 64
+        new = pin.grant(p(t - 89.9), f"new{n}")  # a request arrives before the acks are back
+        events.extend(acc.track(a(t + 0.1), f"new{n}", new))
+        more = acc.handle_timeout(a(t + 0.1))
+        events.extend(not_sends(more))
+        for s in sends(periodic, Heartbeat) + sends(more, Heartbeat):
+            for reply in sends(pin.receive(p(t - 89.5), wire(s.message))):
+                events.extend(acc.receive(a(t + 0.9), wire(reply.message)))
+    lost = [e for e in events if isinstance(e, LeaseLost)]
+    assert not lost, f"UNSAFE (liveness): {len(lost)} live leases given up, e.g. {lost[:2]}"
+    assert all(acc.valid_until(f"k{i}") is not None for i in range(5000)), "a lease never validated"
+
+
+def test_10f_more_rounds_per_round_trip_than_the_bound_still_validate() -> None:
+    """v2 (hole 5b): one track per 10 ms step with a 0.7 s round trip: more than 64 rounds per
+    round trip, every record dropped before its ack came, no lease ever validated. v3: rounds
+    of new ids wait for the periodic round while the bound is reached; periodic rounds drop
+    only rounds that can no longer extend anything."""
+    pin = make_pinner(CFG, PIN, INC)
+    acc = make_accessor(CFG, ACC)
+    inflight: list[tuple[float, Heartbeat]] = []
+    tk0 = pin.grant(p(10.0), "k0")
+    assert handshake(acc, acc.track(a(100.0), "k0", tk0), pin, a(100.0), p(10.0)) == []
+    events: list[object] = []
+    t = 100.0
+    for i in range(1, 400):
+        t = 100.0 + i * 0.01
+        tk = pin.grant(p(t - 90.0), f"k{i}")
+        events.extend(acc.track(a(t), f"k{i}", tk))
+        out = acc.handle_timeout(a(t))
+        events.extend(not_sends(out))
+        inflight += [(t, s.message) for s in sends(out, Heartbeat) if isinstance(s.message, Heartbeat)]
+        while inflight and inflight[0][0] + 0.7 <= t:  # RTT 0.7 s
+            _, hb = inflight.pop(0)
+            for reply in sends(pin.receive(p(t - 90.0), wire(hb))):  # 0.7 s one way, ack at once
+                events.extend(acc.receive(a(t), wire(reply.message)))
+    assert not [e for e in events if isinstance(e, LeaseLost)]
+    assert acc.valid_until("k0") is not None and acc.valid_until("k100") is not None
+
+
+def test_10g_a_delayed_reply_to_a_handshake_before_the_restart_loses_nothing_new() -> None:
+    """v2 (hole 6): a proactive handshake sent to incarnation 1; P restarts (incarnation 2) and
+    grants; D tracks the new ticket; the delayed reply of incarnation 1 arrives and was
+    accepted: the new lease was lost as pinner_restarted. v3: tracking a ticket of another
+    incarnation than the one the outstanding handshakes may reach forgets them."""
+    old = make_pinner(CFG, PIN, INC)
+    acc = make_accessor(CFG, ACC)
+    hs = acc.handshake(a(100.0), PIN)
+    late = old.handshake_reply(p(10.0), wire(hs.message))  # delayed in the network
+    new = make_pinner(CFG, PIN, INC2)  # the restart
+    tk = new.grant(p(11.0), "k")
+    out = acc.track(a(101.0), "k", tk)
+    events = list(acc.handshake_reply(a(101.5), wire(late)))
+    assert_not_lost(events, "k", "a delayed reply of the pinner's previous incarnation")
+    assert acc.state_of("k") is TrackedState.WAITING
+    assert handshake(acc, list(out) + list(acc.handle_timeout(a(101.6))), new, a(101.6), p(11.6)) == []
+    assert heartbeat_round(acc, [new], a(101.7), p(11.7)) == []
+    assert acc.valid_until("k") is not None
+
+
+def test_10h_an_access_time_bound_of_zero_is_refused() -> None:
+    """v2 (hole 7): max_access_time=0 was accepted (G = 0; a push WRITE approved at
+    now == valid_until). v3: at least MIN_ACCESS_TIME (1 ms), a ConfigError naming it."""
+    with pytest.raises(ConfigError, match="max_access_time"):
+        LeaseConfig(max_access_time=0.0)
+    with pytest.raises(ConfigError, match="max_access_time"):
+        LeaseConfig(max_access_time=MIN_ACCESS_TIME / 2)
+    assert LeaseConfig(max_access_time=MIN_ACCESS_TIME).push_guard > 0
