@@ -996,9 +996,9 @@ def test_10d_a_heartbeat_whose_ack_cannot_fit_is_refused_not_answered() -> None:
     acc = make_accessor(CFG, ACC)
     tks = [pin.grant(p(11.0), f"k{i}", lease_id=1 + i * 2**32) for i in range(1, 150)]
     for i, tk in enumerate(tks):
-        out = acc.track(a(101.0), f"k{i}", tk)
+        tracked = acc.track(a(101.0), f"k{i}", tk)
         if i == 0:
-            assert handshake(acc, out, pin, a(101.0), p(11.0)) == []
+            assert handshake(acc, tracked, pin, a(101.0), p(11.0)) == []
     hbs = sends(acc.handle_timeout(a(101.0)), Heartbeat)
     assert len(hbs) > 1
     for s in hbs:
