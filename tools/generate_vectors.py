@@ -144,6 +144,13 @@ def only(resp: dict[str, Any], typ: str) -> dict[str, Any]:
     return found[0]
 
 
+def only_type(resp: dict[str, Any], typ: str) -> dict[str, Any]:
+    """The one output of type `typ` among others (heartbeats sent in the same step)."""
+    found = outs(resp, typ)
+    assert len(found) == 1, resp["outputs"]
+    return found[0]
+
+
 def pinner(engine_id: str, incarnation: int, rank: int = 0, ranks: int = 1) -> JSONDict:
     return {"role": "pinner", "engine_id": engine_id, "incarnation": incarnation, "rank": rank, "ranks": ranks}
 
@@ -370,7 +377,8 @@ def push_mode() -> Recorder:
         "WRITEs. A write is refused until an acknowledged heartbeat covers the "
         "access-time bound. req-2: the writer vanishes mid-write; at expiry the pinner "
         "quarantines the pages (a write may still land) and frees them only after the "
-        "push guard (max_access_time * (1 + rho)); a local release cannot shorten it.",
+        "push guard (max_access_time * (1 + rho)); neither the write's access-done landing then nor a "
+        "local release can shorten it.",
         BASE,
         {"D": pinner("decode-0", 0x5EED0006), "P": accessor("prefill-0")},
         {"D": 8192.0, "P": 65000.5},
@@ -399,6 +407,8 @@ def push_mode() -> Recorder:
     expiry = max(2.0 + BASE.kv_lease_duration, 2.25 + BASE.lease_extension)
     assert r.at(expiry - 0.125).step("D", "handle_timeout")["outputs"] == []
     assert r.at(expiry).step("D", "handle_timeout", note="expired: quarantined, not freed")["outputs"] == []
+    note = "the write's access-done lands in quarantine: expired, it counts nothing (no free)"
+    assert r.at(expiry + 0.0625).step("D", "receive", hex=dec["notifications"][0], note=note)["outputs"] == []
     assert r.at(expiry + 0.125).step("D", "release", lease_id=2)["outputs"] == []
     guard_end = expiry + BASE.push_guard
     assert r.at(guard_end - 0.001).step("D", "handle_timeout")["outputs"] == []
@@ -521,7 +531,8 @@ def hetero_tp_pinner_wider() -> Recorder:
         "hetero_tp_pinner_wider",
         "Prefill TP=2, decode TP=1: the decoder's one worker "
         "reads from both prefill workers, so it heartbeats each of them (one send per rank), "
-        "validity needs the ack of every rank, and each prefill worker frees on the one "
+        "validity needs the ack of every rank (a duplicate of one rank's is not another's), and each prefill "
+        "worker frees on the one "
         "access-done it expects. An access begun before the round is fully acknowledged is "
         "not guaranteed; the driver had not posted it, so it backs off (posted=false) and "
         "retries under the same lease.",
@@ -544,6 +555,7 @@ def hetero_tp_pinner_wider() -> Recorder:
     a0 = only(r.at(0.5).deliver("P0", sends[0]), "Send")
     a1 = only(r.at(0.5).deliver("P1", sends[1]), "Send")
     r.at(0.625).deliver("D", a0)
+    assert r.at(0.65).deliver("D", a0, "a duplicate of rank 0's ack: it does not stand for rank 1's")["outputs"] == []
     dec = r.at(0.7).step("D", "begin_access", key="req-1", note="rank 1 has not acked yet")["result"]
     assert dec["allowed"] and not dec["guaranteed"] and dec["targets"] == [0, 1]
     r.at(0.75).step(
@@ -689,7 +701,8 @@ def vllm_compat() -> Recorder:
         "vllm_compat",
         "A stock vLLM decoder speaks 'HB:' + ','.join(request ids) and "
         "'<request id>:<count>'. The pinner renews by request id, ignores unknown ids, "
-        "and frees after `count` read-done notifications.",
+        "and frees after `count` read-done notifications. A lease bound to a kvlease accessor (here "
+        "at grant) is never renewed by an `HB:`.",
         cfg,
         {"P": pinner("prefill-0", 0x5EED000D)},
         {"P": 12.0},
@@ -700,6 +713,10 @@ def vllm_compat() -> Recorder:
     hb = encode_vllm_heartbeat(["req-1", "req-2", "cmpl-unknown"]).hex()
     res = r.at(3.0).step("P", "receive_vllm", hex=hb)["result"]
     assert res == {"renewed": 2}
+    r.at(3.0).step("P", "grant", key="req-4", accessor="decode-0", note="bound to a kvlease accessor at grant")
+    bound = encode_vllm_heartbeat(["req-4"]).hex()
+    res = r.at(3.5).step("P", "receive_vllm", hex=bound, note="stock vLLM cannot renew it")["result"]
+    assert res == {"renewed": 0}
     free3 = only(r.at(6.0).step("P", "handle_timeout", note="req-3 was never renewed"), "Free")
     assert free3["key"] == "req-3"
     assert only(r.at(6.5).step("P", "receive_vllm", hex=encode_vllm_done("req-1", 1).hex()), "Free")["key"] == "req-1"
@@ -707,6 +724,8 @@ def vllm_compat() -> Recorder:
     assert r.at(6.75).step("P", "receive_vllm", hex=two, note="first of two readers")["outputs"] == []
     assert only(r.at(6.8).step("P", "receive_vllm", hex=two), "Free")["key"] == "req-2"
     assert r.at(7.0).step("P", "receive_vllm", hex=two, note="late: no second free")["outputs"] == []
+    free4 = only(r.at(9.0).step("P", "handle_timeout", note="req-4: grant + duration"), "Free")
+    assert free4["key"] == "req-4" and free4["reason"] == "expired"
     return r
 
 
@@ -939,8 +958,8 @@ def ack_binding() -> Recorder:
         "accessor's rank and session, a seq that never repeats within a session (not even "
         "after disconnect), the echoed send time, and ids that account exactly for the "
         "heartbeat's. An ack from before a disconnect, an ack meant for a sibling rank (whose "
-        "clock reads the same), and an ack whose lists contradict its heartbeat all confer "
-        "nothing.",
+        "clock reads the same, or which shares the session), one echoing another send time, and an "
+        "ack whose lists contradict its heartbeat all confer nothing.",
         BASE,
         {
             "P": pinner("prefill-0", 0x5EED0104, 0, 1),
@@ -975,6 +994,17 @@ def ack_binding() -> Recorder:
     # D0's own round: the ack is tampered with to claim a renewal it does not account for.
     bad = forged(ack2["hex"], renewed=0)
     assert only(r.at(1.375).step("D0", "receive", hex=bad, note="renewed + listed != ids in the heartbeat"), "Rejected")
+    to_rank_1 = forged(ack2["hex"], to_rank=1)
+    note = "addressed to rank 1 (the session is D0's own)"
+    assert only(r.at(1.375).step("D0", "receive", hex=to_rank_1, note=note), "Rejected")
+    from kvlease import decode
+
+    echo = forged(ack2["hex"], t_echo=LocalTime(decode(bytes.fromhex(ack2["hex"])).t_echo + 0.5))
+    note = "echoes a send time its heartbeat did not have"
+    assert r.at(1.375).step("D0", "receive", hex=echo, note=note)["outputs"] == []
+    dec = r.at(1.375).step("D0", "begin_access", key="k2", note="neither confers anything")["result"]
+    assert not dec["guaranteed"] and dec["valid_until"] is None
+    r.at(1.375).step("D0", "access_failed", key="k2", posted=False)
     assert r.at(1.4).deliver("D0", ack2)["outputs"] == []
     dec = r.at(1.5).step("D0", "begin_access", key="k2")["result"]
     assert dec["guaranteed"], "the genuine ack still counts"
@@ -1140,13 +1170,17 @@ def mismatched_terms() -> Recorder:
         "D's own settings would give it 19.9 s (duration 30). P states the terms it enforces "
         "in its handshake reply and in every ack; D counts validity from the stricter of those "
         "and its own, heartbeats at a quarter of the shorter extension, and so never counts "
-        "valid a lease P has freed. v2 counted 19.9 s here: a stale read 13.9 s past P's free.",
+        "valid a lease P has freed. v2 counted 19.9 s here: a stale read 13.9 s past P's free. An "
+        "unconfirmed READ waits for a verdict for P's window too; a waiting lease is given up a whole "
+        "lease duration (D's own) after its last acknowledged round was sent.",
         BASE,
         {"P": pinner("prefill-0", 0x5EED0301), "D": {**accessor("decode-0"), "config": d_config}},
         {"P": 3100.0, "D": 7733.5},
     )
     ticket = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    ticket2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     hs = only(r.at(0.25).step("D", "track", key="req-1", ticket=ticket), "HandshakeNeeded")
+    assert r.at(0.25).step("D", "track", key="req-2", ticket=ticket2)["outputs"] == []
     connect(r, "D", "P", hs, 0.375)
     acks = heartbeat_round(r, "D", ["P"], 0.5)
     assert all(a["outputs"] == [] for a in acks)
@@ -1162,8 +1196,20 @@ def mismatched_terms() -> Recorder:
     dec = r.at(0.5 + BASE.accessor_extension + 0.01).step("D", "begin_access", key="req-1", note="past P's terms")
     res = dec["result"]
     assert not res["guaranteed"] and res["valid_until"] < r.local("D"), res  # only a confirmed read now
-    free = only(r.at(BASE.kv_lease_duration).step("P", "handle_timeout"), "Free")
-    assert free["reason"] == "expired"
+    frees = r.at(BASE.kv_lease_duration).step("P", "handle_timeout")["outputs"]
+    assert sorted(f["key"] for f in frees) == ["req-1", "req-2"] and all(f["reason"] == "expired" for f in frees)
+    # The READ ends unconfirmed: D waits for a verdict for P's window (E_a from P's terms), not D's.
+    done = only(r.at(6.25).step("D", "access_finished", key="req-1", note="the READ ends, not covered"), "Send")
+    assert done["message"]["confirm"] is True
+    deadline = 6.25 + BASE.accessor_extension
+    res = r.at(deadline).step("D", "handle_timeout", note="no verdict within P's window: stale (D's own: 19.9 s)")
+    assert only_type(res, "AccessStale")["key"] == "req-1"
+    # req-2 waits: given up a whole lease duration (D's own, 30 s) after its last acknowledged round
+    # was sent, not when its window lapsed (nor at valid_until less D's own E_a + 30 s, as v2 had it).
+    res = r.at(30.375).step("D", "handle_timeout", note="req-2's window lapsed long ago: not a loss by itself")
+    assert not outs(res, "LeaseLost")
+    lost = only_type(r.at(30.5).step("D", "handle_timeout", note="last acknowledged send + 30 s"), "LeaseLost")
+    assert lost["key"] == "req-2" and lost["reason"] == "validity_lapsed"
     return r
 
 

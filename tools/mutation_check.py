@@ -32,7 +32,7 @@ import json
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,27 @@ from kvlease.conformance import CoreImplementation, JSONDict, VectorResult, run_
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 
-Patch = Callable[[], tuple[object, str, object]]
+
+@attrs.frozen
+class Edit:
+    """`owner.name` recompiled from its source with `old` (exactly one occurrence) made `new`."""
+
+    owner: object
+    name: str
+    old: str
+    new: str
+
+
+@attrs.frozen
+class Replace:
+    """`owner.name` set to `value`."""
+
+    owner: object
+    name: str
+    value: object
+
+
+Patch = Edit | Replace
 
 
 @attrs.frozen
@@ -53,45 +73,45 @@ class Mutant:
     patches: tuple[Patch, ...]
 
 
-def edit(owner: object, name: str, old: str, new: str) -> Patch:
-    """A patch recompiling `owner.name` with `old` replaced by `new` (exactly one occurrence)."""
+edit, replace = Edit, Replace
 
-    def make() -> tuple[object, str, object]:
-        static = inspect.getattr_static(owner, name)
-        func = static.__func__ if isinstance(static, staticmethod | classmethod) else static
-        src = textwrap.dedent(inspect.getsource(func))
-        count = src.count(old)
+
+def _recompiled(owner: object, name: str, edits: list[Edit]) -> object:
+    """The attribute `owner.name` rebuilt from its source with every edit applied, in order."""
+    static = inspect.getattr_static(owner, name)
+    func = static.__func__ if isinstance(static, staticmethod | classmethod) else static
+    src = textwrap.dedent(inspect.getsource(func))
+    for e in edits:
+        count = src.count(e.old)
         if count != 1:
-            raise AssertionError(f"{getattr(owner, '__name__', owner)}.{name}: {old!r} occurs {count} times, not once")
-        code = compile(
-            src.replace(old, new),
-            f"<mutant of {func.__qualname__}>",
-            "exec",
-            flags=__future__.annotations.compiler_flag,
-            dont_inherit=True,
-        )
-        ns: dict[str, Any] = {}
-        exec(code, func.__globals__, ns)  # the def (and its decorator) rebuilt from the edited source
-        return owner, name, ns[name]
-
-    return make
-
-
-def replace(owner: object, name: str, value: object) -> Patch:
-    def make() -> tuple[object, str, object]:
-        if not hasattr(owner, name):
-            raise AssertionError(f"{owner!r} has no attribute {name!r}")
-        return owner, name, value
-
-    return make
+            where = f"{getattr(owner, '__name__', owner)}.{name}"
+            raise AssertionError(f"{where}: {e.old!r} occurs {count} times, not once")
+        src = src.replace(e.old, e.new)
+    code = compile(
+        src, f"<mutant of {func.__qualname__}>", "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True
+    )
+    ns: dict[str, Any] = {}
+    exec(code, func.__globals__, ns)  # the def (and its decorator) rebuilt from the edited source
+    return ns[name]
 
 
 @contextlib.contextmanager
 def applied(mutant: Mutant) -> Iterator[None]:
-    made = [p() for p in mutant.patches]
-    saved = [(owner, name, inspect.getattr_static(owner, name)) for owner, name, _ in made]
+    """Flip the mutant's rule for the duration of the block; restore the core after."""
+    values: dict[tuple[int, str], tuple[object, str, object]] = {}
+    edits: dict[tuple[int, str], list[Edit]] = {}
+    for p in mutant.patches:
+        if not hasattr(p.owner, p.name):
+            raise AssertionError(f"{p.owner!r} has no attribute {p.name!r}")
+        if isinstance(p, Replace):
+            values[(id(p.owner), p.name)] = (p.owner, p.name, p.value)
+        else:
+            edits.setdefault((id(p.owner), p.name), []).append(p)
+    for key, group in edits.items():
+        values[key] = (group[0].owner, group[0].name, _recompiled(group[0].owner, group[0].name, group))
+    saved = [(owner, name, inspect.getattr_static(owner, name)) for owner, name, _ in values.values()]
     try:
-        for owner, name, value in made:
+        for owner, name, value in values.values():
             setattr(owner, name, value)
         yield
     finally:
