@@ -1000,7 +1000,9 @@ def ack_binding() -> Recorder:
     assert only(r.at(1.375).step("D0", "receive", hex=to_rank_1, note=note), "Rejected")
     from kvlease import decode
 
-    echo = forged(ack2["hex"], t_echo=LocalTime(decode(bytes.fromhex(ack2["hex"])).t_echo + 0.5))
+    genuine = decode(bytes.fromhex(ack2["hex"]))
+    assert isinstance(genuine, HeartbeatAck)
+    echo = forged(ack2["hex"], t_echo=LocalTime(genuine.t_echo + 0.5))
     note = "echoes a send time its heartbeat did not have"
     assert r.at(1.375).step("D0", "receive", hex=echo, note=note)["outputs"] == []
     dec = r.at(1.375).step("D0", "begin_access", key="k2", note="neither confers anything")["result"]

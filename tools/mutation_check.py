@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from kvlease import _accessor, _clock, _pinner, _terms
+from kvlease import LeaseKind, _accessor, _clock, _pinner, _terms
 from kvlease.conformance import CoreImplementation, JSONDict, VectorResult, run_vectors
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
@@ -131,7 +131,7 @@ def _vllm_heartbeat_unbound(self: _pinner.Pinner, now: _clock.LocalTime, request
     for lid in sorted({by_key[k] for k in request_ids if k in by_key}):
         lease = self._leases[lid]
         if lease.state is _pinner.LeaseState.ACTIVE and lease.expiry > now:
-            if lease.kind is _pinner.LeaseKind.RENEWABLE:
+            if lease.kind is LeaseKind.RENEWABLE:
                 lease.expiry = max(lease.expiry, now + self.config.lease_extension)
             lease.promised = True
             renewed += 1
