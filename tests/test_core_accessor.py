@@ -10,6 +10,7 @@ go only to the pinner ranks of this rank's TP layout."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from typing import TypedDict
@@ -1308,3 +1309,62 @@ def test_a_ticket_deadline_outside_the_time_bound_is_refused(deadline: float) ->
     d = {"engine_id": PIN, "incarnation": INC, "lease_id": 1, "kind": int(LeaseKind.FIXED_TTL), "deadline": deadline}
     with pytest.raises(RemoteProtocolError):
         LeaseTicket.from_dict(d)
+
+
+# -- edges the mutation check of the core tests found unbound ------------------------------------
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_an_access_finishing_exactly_at_valid_until_is_not_covered(early: bool) -> None:
+    w = Wire()
+    tk = w.connect("k")
+    w.heartbeat()
+    valid = w.acc.valid_until("k")
+    assert valid is not None
+    assert w.acc.begin_access(LocalTime(valid - 1.0), "k").guaranteed
+    end = math.nextafter(valid, -math.inf) if early else valid
+    out = w.acc.access_finished(LocalTime(end), "k")
+    (send,) = w.sends(out)
+    assert isinstance(send.message, AccessDone)
+    if early:  # strictly before: covered, complete without asking
+        assert out[-1] == AccessCompleted("k", tk.lease_id, confirmed_by_pinner=False) and not send.message.confirm
+    else:  # at valid_until the window no longer covers it: ask the pinner
+        assert send.message.confirm and w.acc.state_of("k") is TrackedState.CONFIRMING
+
+
+def test_the_given_up_watermark_never_moves_down() -> None:
+    acc = _accessor(CFG.with_changes(tombstone_limit=1))
+    for lid in (5, 3, 6):  # 5 falls under the watermark when 3 is given up; then 3 when 6 is
+        acc.track(_a(0), f"k{lid}", LeaseTicket(PIN, INC, lid))
+        acc.untrack(_a(0), f"k{lid}")
+    assert acc.track(_a(1), "again5", LeaseTicket(PIN, INC, 5)) == (LeaseLost("again5", 5, LostReason.FORGOTTEN),)
+    assert acc.state_of("again5") is None
+
+
+@pytest.mark.parametrize("how", ["disconnect", "unknown"])
+def test_a_lease_lost_during_an_access_is_retired_at_once(how: str) -> None:
+    w = Wire()
+    tk = w.connect("k")
+    w.heartbeat()
+    assert w.acc.begin_access(_a(0.1), "k").allowed
+    if how == "disconnect":
+        assert w.acc.disconnect(_a(0.2), PIN) == (LeaseLost("k", tk.lease_id, LostReason.UNREACHABLE),)
+    else:
+        hb = w.next_heartbeat()
+        lost = w.acc.receive(_a(w.t), _ack(hb, w.t, 0, unknown=(tk.lease_id,)))
+        assert lost == (LeaseLost("k", tk.lease_id, LostReason.UNKNOWN),)
+    assert w.acc.state_of("k") is TrackedState.LOST
+    # The access still runs, and its attached access-done may still land: not trackable again.
+    with pytest.raises(LocalProtocolError, match="fresh lease"):
+        w.acc.track(_a(w.t + 0.3), "k-again", tk)
+    assert w.acc.state_of("k-again") is None
+
+
+def test_a_ticket_of_the_connected_incarnation_with_another_tp_size_is_lost() -> None:
+    w = Wire()
+    w.connect("k")
+    wider = LeaseTicket(PIN, INC, 2, ranks=2)  # the connected pinner said it has 1 rank
+    assert w.acc.track(_a(0.1), "w", wider) == (LeaseLost("w", 2, LostReason.UNKNOWN),)
+    assert w.acc.state_of("w") is None and w.acc.is_connected(PIN)
+    with pytest.raises(LocalProtocolError, match="fresh lease"):
+        w.acc.track(_a(0.2), "w", wider)

@@ -27,6 +27,7 @@ from kvlease import (
     PROTOCOL_VERSION,
     AccessDone,
     AccessDoneAck,
+    Accessor,
     AccessOutcome,
     Handshake,
     HandshakeReply,
@@ -141,6 +142,13 @@ def outs(resp: dict[str, Any], typ: str | None = None) -> list[dict[str, Any]]:
 def only(resp: dict[str, Any], typ: str) -> dict[str, Any]:
     found = outs(resp, typ)
     assert len(found) == 1 and len(resp["outputs"]) == 1, resp["outputs"]
+    return found[0]
+
+
+def only_type(resp: dict[str, Any], typ: str) -> dict[str, Any]:
+    """The one output of type `typ` among others (heartbeats sent in the same step)."""
+    found = outs(resp, typ)
+    assert len(found) == 1, resp["outputs"]
     return found[0]
 
 
@@ -370,7 +378,8 @@ def push_mode() -> Recorder:
         "WRITEs. A write is refused until an acknowledged heartbeat covers the "
         "access-time bound. req-2: the writer vanishes mid-write; at expiry the pinner "
         "quarantines the pages (a write may still land) and frees them only after the "
-        "push guard (max_access_time * (1 + rho)); a local release cannot shorten it.",
+        "push guard (max_access_time * (1 + rho)); neither the write's access-done landing then nor a "
+        "local release can shorten it.",
         BASE,
         {"D": pinner("decode-0", 0x5EED0006), "P": accessor("prefill-0")},
         {"D": 8192.0, "P": 65000.5},
@@ -399,6 +408,8 @@ def push_mode() -> Recorder:
     expiry = max(2.0 + BASE.kv_lease_duration, 2.25 + BASE.lease_extension)
     assert r.at(expiry - 0.125).step("D", "handle_timeout")["outputs"] == []
     assert r.at(expiry).step("D", "handle_timeout", note="expired: quarantined, not freed")["outputs"] == []
+    note = "the write's access-done lands in quarantine: expired, it counts nothing (no free)"
+    assert r.at(expiry + 0.0625).step("D", "receive", hex=dec["notifications"][0], note=note)["outputs"] == []
     assert r.at(expiry + 0.125).step("D", "release", lease_id=2)["outputs"] == []
     guard_end = expiry + BASE.push_guard
     assert r.at(guard_end - 0.001).step("D", "handle_timeout")["outputs"] == []
@@ -521,7 +532,8 @@ def hetero_tp_pinner_wider() -> Recorder:
         "hetero_tp_pinner_wider",
         "Prefill TP=2, decode TP=1: the decoder's one worker "
         "reads from both prefill workers, so it heartbeats each of them (one send per rank), "
-        "validity needs the ack of every rank, and each prefill worker frees on the one "
+        "validity needs the ack of every rank (a duplicate of one rank's is not another's), and each prefill "
+        "worker frees on the one "
         "access-done it expects. An access begun before the round is fully acknowledged is "
         "not guaranteed; the driver had not posted it, so it backs off (posted=false) and "
         "retries under the same lease.",
@@ -544,6 +556,7 @@ def hetero_tp_pinner_wider() -> Recorder:
     a0 = only(r.at(0.5).deliver("P0", sends[0]), "Send")
     a1 = only(r.at(0.5).deliver("P1", sends[1]), "Send")
     r.at(0.625).deliver("D", a0)
+    assert r.at(0.65).deliver("D", a0, "a duplicate of rank 0's ack: it does not stand for rank 1's")["outputs"] == []
     dec = r.at(0.7).step("D", "begin_access", key="req-1", note="rank 1 has not acked yet")["result"]
     assert dec["allowed"] and not dec["guaranteed"] and dec["targets"] == [0, 1]
     r.at(0.75).step(
@@ -689,7 +702,8 @@ def vllm_compat() -> Recorder:
         "vllm_compat",
         "A stock vLLM decoder speaks 'HB:' + ','.join(request ids) and "
         "'<request id>:<count>'. The pinner renews by request id, ignores unknown ids, "
-        "and frees after `count` read-done notifications.",
+        "and frees after `count` read-done notifications. A lease bound to a kvlease accessor (here "
+        "at grant) is never renewed by an `HB:`.",
         cfg,
         {"P": pinner("prefill-0", 0x5EED000D)},
         {"P": 12.0},
@@ -700,6 +714,10 @@ def vllm_compat() -> Recorder:
     hb = encode_vllm_heartbeat(["req-1", "req-2", "cmpl-unknown"]).hex()
     res = r.at(3.0).step("P", "receive_vllm", hex=hb)["result"]
     assert res == {"renewed": 2}
+    r.at(3.0).step("P", "grant", key="req-4", accessor="decode-0", note="bound to a kvlease accessor at grant")
+    bound = encode_vllm_heartbeat(["req-4"]).hex()
+    res = r.at(3.5).step("P", "receive_vllm", hex=bound, note="stock vLLM cannot renew it")["result"]
+    assert res == {"renewed": 0}
     free3 = only(r.at(6.0).step("P", "handle_timeout", note="req-3 was never renewed"), "Free")
     assert free3["key"] == "req-3"
     assert only(r.at(6.5).step("P", "receive_vllm", hex=encode_vllm_done("req-1", 1).hex()), "Free")["key"] == "req-1"
@@ -707,6 +725,8 @@ def vllm_compat() -> Recorder:
     assert r.at(6.75).step("P", "receive_vllm", hex=two, note="first of two readers")["outputs"] == []
     assert only(r.at(6.8).step("P", "receive_vllm", hex=two), "Free")["key"] == "req-2"
     assert r.at(7.0).step("P", "receive_vllm", hex=two, note="late: no second free")["outputs"] == []
+    free4 = only(r.at(9.0).step("P", "handle_timeout", note="req-4: grant + duration"), "Free")
+    assert free4["key"] == "req-4" and free4["reason"] == "expired"
     return r
 
 
@@ -939,8 +959,8 @@ def ack_binding() -> Recorder:
         "accessor's rank and session, a seq that never repeats within a session (not even "
         "after disconnect), the echoed send time, and ids that account exactly for the "
         "heartbeat's. An ack from before a disconnect, an ack meant for a sibling rank (whose "
-        "clock reads the same), and an ack whose lists contradict its heartbeat all confer "
-        "nothing.",
+        "clock reads the same, or which shares the session), one echoing another send time, and an "
+        "ack whose lists contradict its heartbeat all confer nothing.",
         BASE,
         {
             "P": pinner("prefill-0", 0x5EED0104, 0, 1),
@@ -975,6 +995,19 @@ def ack_binding() -> Recorder:
     # D0's own round: the ack is tampered with to claim a renewal it does not account for.
     bad = forged(ack2["hex"], renewed=0)
     assert only(r.at(1.375).step("D0", "receive", hex=bad, note="renewed + listed != ids in the heartbeat"), "Rejected")
+    to_rank_1 = forged(ack2["hex"], to_rank=1)
+    note = "addressed to rank 1 (the session is D0's own)"
+    assert only(r.at(1.375).step("D0", "receive", hex=to_rank_1, note=note), "Rejected")
+    from kvlease import decode
+
+    genuine = decode(bytes.fromhex(ack2["hex"]))
+    assert isinstance(genuine, HeartbeatAck)
+    echo = forged(ack2["hex"], t_echo=LocalTime(genuine.t_echo + 0.5))
+    note = "echoes a send time its heartbeat did not have"
+    assert r.at(1.375).step("D0", "receive", hex=echo, note=note)["outputs"] == []
+    dec = r.at(1.375).step("D0", "begin_access", key="k2", note="neither confers anything")["result"]
+    assert not dec["guaranteed"] and dec["valid_until"] is None
+    r.at(1.375).step("D0", "access_failed", key="k2", posted=False)
     assert r.at(1.4).deliver("D0", ack2)["outputs"] == []
     dec = r.at(1.5).step("D0", "begin_access", key="k2")["result"]
     assert dec["guaranteed"], "the genuine ack still counts"
@@ -1140,13 +1173,17 @@ def mismatched_terms() -> Recorder:
         "D's own settings would give it 19.9 s (duration 30). P states the terms it enforces "
         "in its handshake reply and in every ack; D counts validity from the stricter of those "
         "and its own, heartbeats at a quarter of the shorter extension, and so never counts "
-        "valid a lease P has freed. v2 counted 19.9 s here: a stale read 13.9 s past P's free.",
+        "valid a lease P has freed. v2 counted 19.9 s here: a stale read 13.9 s past P's free. An "
+        "unconfirmed READ waits for a verdict for P's window too; a waiting lease is given up a whole "
+        "lease duration (D's own) after its last acknowledged round was sent.",
         BASE,
         {"P": pinner("prefill-0", 0x5EED0301), "D": {**accessor("decode-0"), "config": d_config}},
         {"P": 3100.0, "D": 7733.5},
     )
     ticket = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    ticket2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
     hs = only(r.at(0.25).step("D", "track", key="req-1", ticket=ticket), "HandshakeNeeded")
+    assert r.at(0.25).step("D", "track", key="req-2", ticket=ticket2)["outputs"] == []
     connect(r, "D", "P", hs, 0.375)
     acks = heartbeat_round(r, "D", ["P"], 0.5)
     assert all(a["outputs"] == [] for a in acks)
@@ -1162,8 +1199,20 @@ def mismatched_terms() -> Recorder:
     dec = r.at(0.5 + BASE.accessor_extension + 0.01).step("D", "begin_access", key="req-1", note="past P's terms")
     res = dec["result"]
     assert not res["guaranteed"] and res["valid_until"] < r.local("D"), res  # only a confirmed read now
-    free = only(r.at(BASE.kv_lease_duration).step("P", "handle_timeout"), "Free")
-    assert free["reason"] == "expired"
+    frees = r.at(BASE.kv_lease_duration).step("P", "handle_timeout")["outputs"]
+    assert sorted(f["key"] for f in frees) == ["req-1", "req-2"] and all(f["reason"] == "expired" for f in frees)
+    # The READ ends unconfirmed: D waits for a verdict for P's window (E_a from P's terms), not D's.
+    done = only(r.at(6.25).step("D", "access_finished", key="req-1", note="the READ ends, not covered"), "Send")
+    assert done["message"]["confirm"] is True
+    deadline = 6.25 + BASE.accessor_extension
+    res = r.at(deadline).step("D", "handle_timeout", note="no verdict within P's window: stale (D's own: 19.9 s)")
+    assert only_type(res, "AccessStale")["key"] == "req-1"
+    # req-2 waits: given up a whole lease duration (D's own, 30 s) after its last acknowledged round
+    # was sent, not when its window lapsed (nor at valid_until less D's own E_a + 30 s, as v2 had it).
+    res = r.at(30.375).step("D", "handle_timeout", note="req-2's window lapsed long ago: not a loss by itself")
+    assert not outs(res, "LeaseLost")
+    lost = only_type(r.at(30.5).step("D", "handle_timeout", note="last acknowledged send + 30 s"), "LeaseLost")
+    assert lost["key"] == "req-2" and lost["reason"] == "validity_lapsed"
     return r
 
 
@@ -1262,6 +1311,341 @@ def ack_bound() -> Recorder:
     near = Heartbeat("decode-0", 0, 1, 0xD3, 0x5EED0304, 2, LocalTime(2.5), (1,))
     ack = only(r.at(0.5).step("P", "receive", hex=encode(near).hex()), "Send")
     assert len(bytes.fromhex(ack["hex"])) <= MIN_MESSAGE_BYTES
+    return r
+
+
+# -- bound by tools/mutation_check.py: each rule below had a mutant of the core pass every vector --
+
+
+def lease_binding() -> Recorder:
+    r = Recorder(
+        "lease_binding",
+        "A lease speaks for the accessor bound to it (engine, and per rank its session): another "
+        "engine's heartbeat and one of another session of the same engine are not renewed "
+        "('unknown' + Rejected); a replayed heartbeat (a seq no newer than one that extended the "
+        "lease) is acknowledged but extends nothing, so the lease frees at the last fresh one + "
+        "extension; a completed lease's tombstone answers OK only to the session it counted. A "
+        "refused call changes nothing, not even the endpoint's latest now: later calls may read "
+        "an earlier clock.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0401), "D": accessor("decode-0", session=0xD0)},
+        {"P": 2500.0, "D": 610.0},
+    )
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
+    note = "refused (never issued) at a later clock reading"
+    assert r.step("P", "release", note, clock=r.local("P", 0.5), lease_id=99)["error"]["class"] == "LocalProtocolError"
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
+    r.at(0.0).step("D", "track", key="req-2", ticket=t2)
+    note = "refused (tracked twice) at a later clock reading"
+    twice = r.step("D", "track", note, clock=r.local("D", 0.5), key="req-1", ticket=t1)
+    assert twice["error"]["class"] == "LocalProtocolError"
+    connect(r, "D", "P", hs, 0.25)
+    first = outs(r.at(0.5).step("D", "handle_timeout"), "Send")[0]
+    ack = only(r.at(0.75).deliver("P", first, "binds both leases to decode-0, rank 0, session 0xD0"), "Send")
+    r.at(1.0).deliver("D", ack)
+    other = Heartbeat("decode-1", 0, 1, 0xE1, 0x5EED0401, 1, LocalTime(33001.0), (1, 2))
+    res = r.at(1.0).step("P", "receive", hex=encode(other).hex(), note="another accessor engine")
+    assert [o["type"] for o in res["outputs"]] == ["Rejected", "Send"]
+    assert res["outputs"][1]["message"]["unknown"] == [1, 2]
+    restarted = Heartbeat("decode-0", 0, 1, 0xD9, 0x5EED0401, 1, LocalTime(611.0), (1, 2))
+    res = r.at(1.0).step("P", "receive", hex=encode(restarted).hex(), note="decode-0 rank 0, another session")
+    assert [o["type"] for o in res["outputs"]] == ["Rejected", "Send"]
+    assert res["outputs"][1]["message"]["unknown"] == [1, 2]
+    heartbeat_round(r, "D", ["P"], 1.5)
+    heartbeat_round(r, "D", ["P"], 2.5)  # handled at 2.75: req-1 expires at 6.75
+    dec = r.at(3.0).step("D", "begin_access", key="req-2")["result"]
+    assert dec["guaranteed"]
+    fin = r.at(3.0).step("D", "access_finished", key="req-2")
+    assert only(r.at(3.25).deliver("P", outs(fin, "Send")[0]), "Free")["reason"] == "access_done"
+    dup = AccessDone("decode-0", 0, 1, 0xD0, 0x5EED0401, 0, 2, 77, True, LocalTime(613.5))
+    res = r.at(3.5).step("P", "receive", hex=encode(dup).hex(), note="the counted session asks again: OK")
+    assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.OK)
+    alien = AccessDone("decode-0", 0, 1, 0xD9, 0x5EED0401, 0, 2, 5, True, LocalTime(613.5))
+    res = r.at(3.5).step("P", "receive", hex=encode(alien).hex(), note="another session of decode-0 asks: STALE")
+    assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.STALE)
+    replay = only(r.at(5.0).deliver("P", first, "the first heartbeat, replayed"), "Send")
+    assert replay["message"]["renewed"] == 1 and replay["message"]["completed"] == [2]
+    assert r.at(6.625).step("P", "handle_timeout")["outputs"] == []
+    free = only(r.at(6.75).step("P", "handle_timeout", note="the last fresh heartbeat (2.75) + 4 s"), "Free")
+    assert free["key"] == "req-1" and free["reason"] == "expired"
+    return r
+
+
+def verdict_binding() -> Recorder:
+    r = Recorder(
+        "verdict_binding",
+        "Prefill TP=2, decode TP=1, acks lost, so the READ asks both pinner ranks to confirm. A "
+        "verdict counts only if addressed to this rank and session, for this attempt, and once per "
+        "pinner rank: one for rank 1 of the session, one for another session, one on an earlier "
+        "attempt, and duplicates of rank 0's (before and after access_finished) all count nothing; "
+        "the access completes on rank 1's own OK.",
+        BASE,
+        {
+            "P0": pinner("prefill-0", 0x5EED0402, 0, 2),
+            "P1": pinner("prefill-0", 0x5EED0402, 1, 2),
+            "D": accessor("decode-0", session=0xD0),
+        },
+        {"P0": 8100.0, "P1": 8100.0, "D": 450.0},
+    )
+    from kvlease import decode
+
+    t = r.at(0.0).step("P0", "grant", key="req-1")["result"]
+    r.at(0.0).step("P1", "grant", key="req-1")
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t), "HandshakeNeeded")
+    connect(r, "D", "P0", hs, 0.125)
+    heartbeat_round(r, "D", ["P0", "P1"], 0.375, lose_back=True)
+    first = r.at(1.0).step("D", "begin_access", key="req-1")["result"]
+    r.at(1.0).step("D", "access_failed", key="req-1", posted=False, note="attempt 1: nothing posted")
+    attempt1 = decode(bytes.fromhex(first["notifications"][1]))
+    assert isinstance(attempt1, AccessDone)
+    dec = r.at(1.1).step("D", "begin_access", key="req-1")["result"]
+    assert dec["allowed"] and not dec["guaranteed"] and len(dec["notifications"]) == 2
+    n0, n1 = dec["notifications"]
+    res = r.at(1.2).step("P0", "receive", hex=n0)
+    assert [o["type"] for o in res["outputs"]] == ["Free", "Send"]
+    v0 = res["outputs"][1]
+    assert only(r.at(1.3).step("D", "receive", hex=forged(v0["hex"], to_rank=1), note="for rank 1"), "Rejected")
+    assert only(
+        r.at(1.3).step("D", "receive", hex=forged(v0["hex"], to_session=0xBAD), note="for another session"), "Rejected"
+    )
+    stale = AccessDoneAck("prefill-0", 1, 0x5EED0402, 0, 0xD0, 1, attempt1.attempt, AccessOutcome.OK)
+    note = "rank 1's OK on attempt 1"
+    assert r.at(1.3).step("D", "receive", hex=encode(stale).hex(), note=note)["outputs"] == []
+    assert r.at(1.35).deliver("D", v0, "rank 0's OK, before the transfer is reported done")["outputs"] == []
+    assert r.at(1.4).deliver("D", v0, "a duplicate of it")["outputs"] == []
+    fin = r.at(1.5).step("D", "access_finished", key="req-1", notified=True, note="rank 1 has not answered")
+    assert fin["outputs"] == []
+    assert r.at(1.6).deliver("D", v0, "rank 0's OK again, after")["outputs"] == []
+    res = r.at(1.7).step("P1", "receive", hex=n1)
+    assert [o["type"] for o in res["outputs"]] == ["Free", "Send"]
+    ok = only(r.at(1.8).deliver("D", res["outputs"][1]), "AccessCompleted")
+    assert ok["confirmed_by_pinner"] is True
+    return r
+
+
+def accessor_edges() -> Recorder:
+    r = Recorder(
+        "accessor_edges",
+        "Edges of the accessor's rules. req-1: begun with less than A_l = A(1+rho) of window left "
+        "(but more than A) is not guaranteed; finished exactly at valid_until it is not covered "
+        "(covered is now < valid_until) and asks the pinner. req-2: an ack listing it 'completed' "
+        "while it is being accessed (its own attached access-done landed) does not lose it. "
+        "req-3: lost during an access (disconnect) it is retired at once, so its ticket cannot be "
+        "tracked again while the access runs; finished with notified=true it sends nothing.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0403), "D": accessor("decode-0")},
+        {"P": 900.0, "D": 43000.0},
+    )
+    tickets = [r.at(0.0).step("P", "grant", key=f"req-{i}")["result"] for i in (1, 2, 3)]
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=tickets[0]), "HandshakeNeeded")
+    r.at(0.0).step("D", "track", key="req-2", ticket=tickets[1])
+    r.at(0.0).step("D", "track", key="req-3", ticket=tickets[2])
+    connect(r, "D", "P", hs, 0.125)
+    heartbeat_round(r, "D", ["P"], 0.375)
+    dec = r.at(1.0).step("D", "begin_access", key="req-2")["result"]
+    assert dec["guaranteed"]
+    landed = r.at(1.1).step("P", "receive", hex=dec["notifications"][0], note="req-2's attached access-done lands")
+    assert only(landed, "Free")["reason"] == "access_done"
+    acks = heartbeat_round(r, "D", ["P"], 1.375)
+    assert acks[0]["outputs"] == [], "completed while accessing: our own access-done"
+    fin = r.at(2.0).step("D", "access_finished", key="req-2", notified=True)
+    assert only(fin, "AccessCompleted")["confirmed_by_pinner"] is False
+    acc = r.impl._endpoints["D"]
+    assert isinstance(acc, Accessor)
+    valid = acc.valid_until("req-1")
+    assert valid is not None and abs(valid - r.local("D", 1.375) - BASE.accessor_extension) < 1e-9
+    begin = valid - (BASE.max_access_time + BASE.access_time_local) / 2
+    dec = r.step("D", "begin_access", "between A and A_l before valid_until", clock=begin, key="req-1")["result"]
+    assert dec["allowed"] and not dec["guaranteed"]
+    done = only(r.step("D", "access_finished", "exactly at valid_until", clock=valid, key="req-1"), "Send")
+    assert done["message"]["confirm"] is True
+    r.at(valid - r.epochs["D"] + 0.0625)
+    res = r.deliver("P", done)
+    assert [o["type"] for o in res["outputs"]] == ["Free", "Send"]
+    assert only(r.at(r.t + 0.0625).deliver("D", res["outputs"][1]), "AccessCompleted")["confirmed_by_pinner"]
+    r.at(r.t + 0.125)
+    assert not r.step("D", "begin_access", key="req-3")["result"]["guaranteed"]
+    lost = only(r.step("D", "disconnect", engine_id="prefill-0"), "LeaseLost")
+    assert lost["key"] == "req-3" and lost["reason"] == "unreachable"
+    again = r.step("D", "track", "its access still runs: retired at the loss", key="req-3-again", ticket=tickets[2])
+    assert again["error"]["class"] == "LocalProtocolError"
+    fin = r.step("D", "access_finished", key="req-3", notified=True)
+    assert only(fin, "AccessStale")["key"] == "req-3"
+    return r
+
+
+def retrack_edges() -> Recorder:
+    cfg = BASE.with_changes(tombstone_limit=1)
+    r = Recorder(
+        "retrack_edges",
+        "tombstone_limit 1: leases 5, 3 and 6 are given up in that order; the watermark rises "
+        "to 5 and never moves down (to 3), so re-tracking 5 is LeaseLost 'forgotten'. A ticket of "
+        "the connected incarnation that names another TP size is LeaseLost 'unknown', not tracked.",
+        cfg,
+        {"P": pinner("prefill-0", 0x5EED0404), "D": accessor("decode-0")},
+        {"P": 70.0, "D": 4400.0},
+    )
+    tickets = {i: r.at(0.0).step("P", "grant", key=f"req-{i}")["result"] for i in range(1, 9)}
+    hs = only(r.at(0.0).step("D", "track", key="req-7", ticket=tickets[7]), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.125)
+    for i in (5, 3, 6):
+        r.at(0.5).step("D", "track", key=f"req-{i}", ticket=tickets[i])
+        r.at(0.5).step("D", "untrack", key=f"req-{i}")
+    lost = only(r.at(0.75).step("D", "track", key="req-5-again", ticket=tickets[5]), "LeaseLost")
+    assert lost["reason"] == "forgotten"
+    wider = {**tickets[8], "ranks": 2}
+    lost = only(r.at(1.0).step("D", "track", key="req-8", ticket=wider, note="ranks 2; the pinner said 1"), "LeaseLost")
+    assert lost["reason"] == "unknown"
+    return r
+
+
+def fixed_ttl_past_deadline() -> Recorder:
+    r = Recorder(
+        "fixed_ttl_past_deadline",
+        "A fixed-TTL lease (1 s) whose first acknowledged round arrives after its deadline: the "
+        "deadline, already past, is converted stretched by (1+rho)/(1-rho) (it happened at least "
+        "that long ago in the accessor's clock), so valid_until lies in the past; the READ asks "
+        "the pinner, which answers STALE.",
+        BASE,
+        {"D": pinner("decode-0", 0x5EED0405), "P": accessor("prefill-0")},
+        {"D": 1200.0, "P": 77777.0},
+    )
+    t = r.at(0.0).step("D", "grant", key="turn-1", kind=1, ttl=1.0)["result"]
+    hs = only(r.at(0.0).step("P", "track", key="turn-1", ticket=t), "HandshakeNeeded")
+    connect(r, "P", "D", hs, 0.125)
+    hb = outs(r.at(0.5).step("P", "handle_timeout"), "Send")[0]
+    ack = only(r.at(0.75).deliver("D", hb), "Send")
+    assert ack["message"]["renewed"] == 1
+    assert r.at(1.5).deliver("P", ack, "the ack arrives after the deadline")["outputs"] == []
+    dec = r.at(1.5).step("P", "begin_access", key="turn-1")["result"]
+    assert dec["allowed"] and not dec["guaranteed"] and dec["valid_until"] < r.local("P")
+    done = only(r.at(1.625).step("P", "access_finished", key="turn-1"), "Send")
+    assert done["message"]["confirm"] is True
+    verdict = only(r.at(1.75).deliver("D", done), "Send")
+    assert verdict["message"]["outcome"] == int(AccessOutcome.STALE)
+    assert only(r.at(1.875).deliver("P", verdict), "AccessStale")
+    return r
+
+
+def stated_terms() -> Recorder:
+    p_config: JSONDict = {"max_drift_rate": 1e-3, "max_access_time": 2.0}
+    r = Recorder(
+        "stated_terms",
+        "P states a larger drift bound (1e-3) and access-time bound (2 s) than D's own (1e-4, "
+        "0.5 s): D's window shrinks by P's drift bound, and a READ begun with 1 s of window left "
+        "is not guaranteed (P's bound, 2 s, does not fit).",
+        BASE,
+        {"P": {**pinner("prefill-0", 0x5EED0406), "config": p_config}, "D": accessor("decode-0")},
+        {"P": 5.0, "D": 6.0},
+    )
+    strict = BASE.with_changes(**p_config)
+    ticket = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=ticket), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.125)
+    heartbeat_round(r, "D", ["P"], 0.375)
+    at = 0.375 + strict.accessor_extension - 1.0
+    dec = r.at(at).step("D", "begin_access", key="req-1", note="1 s of window left")["result"]
+    assert dec["allowed"] and not dec["guaranteed"]
+    assert abs(dec["valid_until"] - r.local("D", 0.375) - strict.accessor_extension) < 1e-9
+    r.at(at).step("D", "access_failed", key="req-1", posted=False)
+    return r
+
+
+def ack_extensions() -> Recorder:
+    short: JSONDict = {"kv_lease_duration": 3.0}
+    r = Recorder(
+        "ack_extensions",
+        "Each ack states the extension its pinner rank applied. Prefill TP=2 whose rank 1 runs a "
+        "shorter lease (duration 3, extension 2): D's window for a round is counted from the "
+        "smallest extension any of its acks stated (rank 1's, whatever the order of arrival). "
+        "D2 runs the shorter settings itself: acks stating 4 s give it no more than its own 2.",
+        BASE,
+        {
+            "P0": pinner("prefill-0", 0x5EED0407, 0, 2),
+            "P1": {**pinner("prefill-0", 0x5EED0407, 1, 2), "config": short},
+            "D": accessor("decode-0", session=0xD0),
+            "D2": {**accessor("decode-1", 0, 2, session=0xD2), "config": short},
+        },
+        {"P0": 640.0, "P1": 640.0, "D": 9100.0, "D2": 300.0},
+    )
+    short_cfg = BASE.with_changes(**short)
+    t = r.at(0.0).step("P0", "grant", key="req-1")["result"]
+    r.at(0.0).step("P1", "grant", key="req-1")
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t), "HandshakeNeeded")
+    connect(r, "D", "P0", hs, 0.125)
+    s0, s1 = outs(r.at(0.375).step("D", "handle_timeout"), "Send")
+    a0 = only(r.at(0.5).deliver("P0", s0), "Send")
+    a1 = only(r.at(0.5).deliver("P1", s1), "Send")
+    assert a0["message"]["extension"] == 4.0 and a1["message"]["extension"] == 2.0
+    r.at(0.625).deliver("D", a1, "rank 1's ack (2 s) first")
+    r.at(0.75).deliver("D", a0, "rank 0's (4 s) last")
+    dec = r.at(0.875).step("D", "begin_access", key="req-1")["result"]
+    assert abs(dec["valid_until"] - r.local("D", 0.375) - short_cfg.accessor_extension) < 1e-9
+    r.at(0.875).step("D", "access_failed", key="req-1", posted=False)
+    t2 = r.at(1.0).step("P0", "grant", key="req-2")["result"]
+    hs2 = only(r.at(1.0).step("D2", "track", key="req-2", ticket=t2), "HandshakeNeeded")
+    connect(r, "D2", "P0", hs2, 1.125)
+    acks = heartbeat_round(r, "D2", ["P0"], 1.375)
+    assert acks[0]["outputs"] == []
+    dec = r.at(1.875).step("D2", "begin_access", key="req-2")["result"]
+    assert abs(dec["valid_until"] - r.local("D2", 1.375) - short_cfg.accessor_extension) < 1e-9
+    return r
+
+
+def rounds_bound() -> Recorder:
+    cfg = BASE.with_changes(max_message_bytes=192, max_outstanding_heartbeats=2)
+    r = Recorder(
+        "rounds_bound",
+        "max_outstanding_heartbeats (2) counts heartbeat rounds, not chunks: a round of 20 ids "
+        "split into 2+ chunks is still outstanding (one round) when the next periodic round is "
+        "sent, so its late acks still validate the leases.",
+        cfg,
+        {"P": pinner("prefill-0", 0x5EED0408), "D": accessor("decode-0")},
+        {"P": 10.0, "D": 20.0},
+    )
+    tickets = [r.at(0.0).step("P", "grant", key=f"req-{i}", lease_id=1 + i * 2**20)["result"] for i in range(20)]
+    hs = only(r.at(0.0).step("D", "track", key="req-0", ticket=tickets[0]), "HandshakeNeeded")
+    for i, tk in enumerate(tickets[1:], 1):
+        r.at(0.0).step("D", "track", key=f"req-{i}", ticket=tk)
+    connect(r, "D", "P", hs, 0.125)
+    sends = outs(r.at(0.375).step("D", "handle_timeout"), "Send")
+    assert len(sends) >= 2
+    acks = [only(r.at(0.5).deliver("P", s), "Send") for s in sends]
+    nxt = r.at(1.375).step("D", "handle_timeout", note="the next round; the first one's acks are late")
+    assert len(outs(nxt, "Send")) >= 2
+    for a in acks:
+        assert r.at(1.5).deliver("D", a)["outputs"] == []
+    dec = r.at(1.625).step("D", "begin_access", key="req-0")["result"]
+    assert dec["guaranteed"] and abs(dec["valid_until"] - r.local("D", 0.375) - cfg.accessor_extension) < 1e-9
+    return r
+
+
+def handshake_new_incarnation() -> Recorder:
+    r = Recorder(
+        "handshake_new_incarnation",
+        "The accessor tracks a ticket of incarnation 1 and handshakes; before the reply, the "
+        "pinner restarts and a ticket of incarnation 2 is tracked: the outstanding handshake is "
+        "forgotten and a new one is due at once, so the late reply of incarnation 1 counts "
+        "nothing (it would have lost the new ticket as pinner_restarted); the new reply loses "
+        "the old incarnation's lease.",
+        BASE,
+        {"P": pinner("prefill-0", 0x1001), "P2": pinner("prefill-0", 0x2002), "D": accessor("decode-0")},
+        {"P": 150.0, "P2": 150.0, "D": 62000.0},
+    )
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs1 = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
+    old_reply = r.at(0.125).step("P", "handshake", hex=hs1["hex"])["result"]["hex"]
+    t2 = r.at(0.25).step("P2", "grant", key="req-2")["result"]
+    note = "a new incarnation: handshake again now"
+    hs2 = only(r.at(0.375).step("D", "track", key="k2", ticket=t2, note=note), "HandshakeNeeded")
+    note = "the old incarnation's reply, late"
+    assert r.at(0.5).step("D", "handshake_reply", hex=old_reply, note=note)["outputs"] == []
+    reply = r.at(0.5).step("P2", "handshake", hex=hs2["hex"])["result"]["hex"]
+    lost = only(r.at(0.625).step("D", "handshake_reply", hex=reply), "LeaseLost")
+    assert lost["key"] == "k1" and lost["reason"] == "pinner_restarted"
+    heartbeat_round(r, "D", ["P2"], 0.75)
+    assert r.at(1.5).step("D", "begin_access", key="k2")["result"]["guaranteed"]
     return r
 
 
@@ -1560,6 +1944,15 @@ SCENARIOS = [
     posted_failed_push,
     multi_part_to_rank,
     ack_bound,
+    lease_binding,
+    verdict_binding,
+    accessor_edges,
+    retrack_edges,
+    fixed_ttl_past_deadline,
+    stated_terms,
+    ack_extensions,
+    rounds_bound,
+    handshake_new_incarnation,
 ]
 
 
