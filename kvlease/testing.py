@@ -42,6 +42,7 @@ from ._events import (
 from ._layout import tp_layout
 from ._messages import AccessDone, Handshake, Heartbeat, LeaseKind, LeaseTicket, Message
 from ._pinner import LeaseState, Pinner
+from ._terms import LeaseTerms
 
 __all__ = [
     "FakeLink",
@@ -218,6 +219,11 @@ class Pair:
     Operations act at the current real instant; `advance(dt)` moves time on, waking each
     endpoint at its deadlines (converted through its own clock) and delivering messages as
     they arrive. Every step is audited; see the module docstring.
+
+    `accessor_config`: the accessor runs its own settings (protocol v3: they need not match
+    the pinner's, spec §2.2). `config` is then the pinner's, and the audit holds the accessor
+    to the terms of spec §2.1, the stricter of both. The clocks are not drawn from it: pass
+    them when the two drift bounds differ.
     """
 
     def __init__(
@@ -252,6 +258,17 @@ class Pair:
         self.rejected: list[Rejected] = []
         self.handshakes = 0
         self._open_access: dict[str, float] = {}
+        # While True (inside `advance(..., accessor_stalled=True)`) the accessor does not run.
+        self._accessor_stalled = False
+        # The window an acknowledged round gives the accessor (spec §2.1: its own margin, the
+        # stricter extension and drift bound of the two sides). With one configuration for
+        # both sides it equals `config.accessor_extension`.
+        acfg = self.accessor.config
+        self._accessor_window = (
+            LeaseTerms.own(acfg)
+            .with_pinner(acfg, config.lease_extension, config.max_drift_rate, config.max_access_time)
+            .accessor_extension
+        )
 
     # -- clocks -----------------------------------------------------------------------------
 
@@ -356,22 +373,32 @@ class Pair:
 
     # -- time -------------------------------------------------------------------------------
 
-    def advance(self, dt: float) -> None:
-        """Move real time on by `dt`, handling every deadline and delivery on the way."""
+    def advance(self, dt: float, *, accessor_stalled: bool = False) -> None:
+        """Move real time on by `dt`, handling every deadline and delivery on the way.
+
+        `accessor_stalled`: the accessor's process does not run meanwhile (an overloaded
+        scheduler): it is not woken, sends nothing, and what reaches it waits in its queue,
+        to be handled (late) at its first step after the stall. The audit still runs.
+        """
         if dt < 0.0:
             raise ValueError("real time never runs backwards")
-        _run_events(self.real, self.real + dt, self._next_event, self._step)
+        self._accessor_stalled = accessor_stalled
+        try:
+            _run_events(self.real, self.real + dt, self._next_event, self._step)
+        finally:
+            self._accessor_stalled = False
 
     def _next_event(self) -> float | None:
         cands: list[float] = []
         nd = self.pinner.next_deadline()
         if nd is not None:
             cands.append(self.pinner_clock.real(nd) + STEP_EPSILON)
-        if self.accessor_alive:
+        running = self.accessor_alive and not self._accessor_stalled
+        if running:
             nd = self.accessor.next_deadline()
             if nd is not None:
                 cands.append(self.accessor_clock.real(nd) + STEP_EPSILON)
-        for link in (self.to_pinner, self.to_accessor):
+        for link in (self.to_pinner, self.to_accessor) if running else (self.to_pinner,):
             t = link.next_delivery()
             if t is not None:
                 cands.append(t)
@@ -402,6 +429,9 @@ class Pair:
                         rec.last_hb_p = now_p
                         rec.last_hb_seq = msg.seq
             self._pinner_outputs(self.pinner.receive(now_p, msg))
+        if self._accessor_stalled:
+            self.check()
+            return
         for msg in self.to_accessor.deliver_due(real):
             if self.accessor_alive:
                 self._accessor_outputs(self.accessor.receive(self.now_a, msg))
@@ -568,7 +598,7 @@ class Pair:
                 # acknowledged heartbeat of a renewable one (a lapsed window alone is not a loss).
                 cfg = self.accessor.config
                 renewable = rec.kind is not LeaseKind.FIXED_TTL
-                give_up = v + (cfg.kv_lease_duration - cfg.accessor_extension if renewable else 0.0)
+                give_up = v + (cfg.kv_lease_duration - self._accessor_window if renewable else 0.0)
                 and_nd = self.accessor.next_deadline()
                 if and_nd is None or and_nd > give_up + TIME_TOLERANCE:
                     raise InvariantViolation(

@@ -21,7 +21,6 @@ import random
 import re
 from typing import Any
 
-import attrs
 import pytest
 from conftest import EXAMPLES, STEPS
 from hypothesis import Phase, event, settings
@@ -39,19 +38,21 @@ from kvlease import (
     MIN_VALIDITY_MARGIN,
     AccessCompleted,
     Accessor,
-    AccessorOutput,
     AccessStale,
     EndReason,
-    HandshakeReply,
-    HeartbeatAck,
     LeaseConfig,
     LeaseKind,
     LeaseLost,
     LocalProtocolError,
-    LocalTime,
     LostReason,
     Pinner,
     TrackedState,
+)
+from kvlease._doubles import (
+    ForgetfulAccessor,
+    NoRankCheckPinner,
+    PerConnectionSeqAccessor,
+    RetryAfterPostedFailureAccessor,
 )
 from kvlease.testing import InvariantViolation, Mesh, PeerClock
 
@@ -340,46 +341,6 @@ TestApiModel.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEP
 # -- the model catches each v1 hole, switched back on in a test double --------------------------
 
 
-class _RetrackingAccessor(Accessor):
-    """v1: keeps no memory of the leases it gave up, so a ticket can be tracked again."""
-
-    def _retire(self, rkey: tuple[str, int, int]) -> None:
-        pass
-
-
-class _UnboundAccessor(Accessor):
-    """v1: trusts any reply on its seq and echoed time alone, whoever it was meant for, and
-    restarts its seq at 1 per connection (v1's per-engine counter)."""
-
-    def _on_ack(self, now: LocalTime, ack: HeartbeatAck) -> tuple[AccessorOutput, ...]:
-        return super()._on_ack(now, attrs.evolve(ack, to_rank=self.rank, to_session=self.session))
-
-    def handshake_reply(self, now: LocalTime, reply: HandshakeReply) -> tuple[AccessorOutput, ...]:
-        eng = self._engines.get(reply.engine_id)
-        if eng is not None and eng.handshakes:
-            seq, t = next(reversed(eng.handshakes.items()))
-            reply = attrs.evolve(reply, to_rank=self.rank, to_session=self.session, seq=seq, t_echo=LocalTime(t))
-        return super().handshake_reply(now, reply)
-
-    def disconnect(self, now: LocalTime, engine_id: str) -> tuple[AccessorOutput, ...]:
-        self._seq = 0
-        return super().disconnect(now, engine_id)
-
-
-class _RetryingAccessor(Accessor):
-    """v1: a failed transfer goes back to waiting, so the engine may retry under the lease."""
-
-    def access_failed(self, now: LocalTime, key: str, *, posted: bool = True) -> tuple[AccessorOutput, ...]:
-        return super().access_failed(now, key, posted=False)
-
-
-class _LayoutBlindPinner(Pinner):
-    """v1: counts an access-done or release from any accessor rank, read or not."""
-
-    def _layout_rejection(self, engine_id: str, what: str, rank: int, ranks: int) -> Any:
-        return None
-
-
 #: Rules each search leaves out, so it spends its budget where the break shows (shadowing a
 #: rule with a plain method removes it from the machine).
 _NOISE = ("drop", "duplicate", "replay", "disconnect", "pinner_release", "retrack", "hold")
@@ -387,13 +348,18 @@ _NOISE = ("drop", "duplicate", "replay", "disconnect", "pinner_release", "retrac
 BROKEN: dict[str, tuple[type[Pinner], type[Accessor], tuple[tuple[int, int], ...], tuple[str, ...]]] = {
     "retrack": (
         Pinner,
-        _RetrackingAccessor,
+        ForgetfulAccessor,
         ((1, 1),),
         ("drop", "duplicate", "replay", "disconnect", "pinner_release", "hold", "advance"),
     ),
-    "unbound-replies": (Pinner, _UnboundAccessor, ((1, 2), (2, 2)), ("drop", "pinner_release", "retrack")),
-    "retry-after-failed-transfer": (Pinner, _RetryingAccessor, ((1, 1),), (*_NOISE, "advance", "deliver_now")),
-    "layout-blind-pinner": (_LayoutBlindPinner, Accessor, ((2, 2), (4, 2)), ("pinner_release", "retrack")),
+    "unbound-replies": (Pinner, PerConnectionSeqAccessor, ((1, 2), (2, 2)), ("drop", "pinner_release", "retrack")),
+    "retry-after-failed-transfer": (
+        Pinner,
+        RetryAfterPostedFailureAccessor,
+        ((1, 1),),
+        (*_NOISE, "advance", "deliver_now"),
+    ),
+    "layout-blind-pinner": (NoRankCheckPinner, Accessor, ((2, 2), (4, 2)), ("pinner_release", "retrack")),
 }
 
 
