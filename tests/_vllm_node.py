@@ -294,12 +294,19 @@ def main() -> None:
     running = True
     stepped = False  # commands wait for the first step (it builds the lease driver)
     while running:
+        batch: list[dict[str, Any]] = []
         while stepped:
-            try:
-                cmd = cmds.get_nowait()
-            except queue.Empty:
-                break
+            if batch:
+                cmd = batch.pop(0)
+            else:
+                try:
+                    cmd = cmds.get_nowait()
+                except queue.Empty:
+                    break
             op = cmd["op"]
+            if op == "batch":  # these commands all run before the next scheduler step
+                batch.extend(cmd["cmds"])
+                continue
             if op == "exit":
                 running = False
                 break

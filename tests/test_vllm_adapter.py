@@ -233,6 +233,39 @@ def test_read_after_expiry_is_a_failed_load_and_recomputes(fleet: dict[str, Node
     assert stale + lost >= 1
 
 
+def test_a_request_id_reused_in_one_step_reads_under_its_own_lease(fleet: dict[str, Node]) -> None:
+    """Issue 21.5: request ids kept as the client sent them (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION,
+    or a router that reuses them): ``dup`` is aborted while queued on D1 and a new ``dup``
+    (another prefill's ticket) added before the next step, so one connector metadata carries
+    the first's untrack and the second's track, and vLLM's notify-only cleanup READ of the
+    aborted one under the same id. Handled track first, the second's track failed (the first was
+    still tracked) and the untrack then erased that loss record and the ticket; with the untrack
+    first, the cleanup of the aborted ``dup`` untracked the new one. Either way the READ went
+    ahead on vLLM's path with no lease (no kvlease access counted). Now untracks come first and
+    a READ meta ends or consumes only the lease of the producer request it names: the second
+    ``dup`` is tracked, read under its own lease, and freed by it."""
+    p1, d1 = fleet["P1"], fleet["D1"]
+    d_before = d1.stats()["driver"]
+    _queue(p1, d1, "dup", blockers=1)
+    time.sleep(1.5)  # the first "dup" tracked (its track shipped in a step) and heartbeating
+    second = prefill(p1, "dup-b")
+    d1.send(
+        op="batch",
+        cmds=[
+            {"op": "abort", "id": "dup"},
+            {"op": "decode", "id": "dup", "params": second, "prefill_id": "dup-b"},
+        ],
+    )
+    p1.wait("freed", 30, id="dup")  # the first tracking's lease, released by its untrack
+    _unblock(d1, "dup", blockers=1)
+    done = d1.wait("recv_done", 60, id="dup")
+    assert done["failed"] is False and done["match"] is True
+    p1.wait("freed", 30, id="dup-b")
+    drv = d1.stats()["driver"]
+    assert drv["accesses_completed"] == d_before["accesses_completed"] + 1, "the READ ran under kvlease's lease"
+    assert drv["leases_lost"] == d_before["leases_lost"]
+
+
 def test_decoder_killed_producer_frees_within_the_bound(fleet: dict[str, Node]) -> None:
     """SIGKILL D1 while r4 is queued there and heartbeating: P1 frees r4 once the last renewal
     runs out. A renewal extends to receipt + 2D/3 and one arrives every D/6, so the free comes

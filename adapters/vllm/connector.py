@@ -161,6 +161,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             return
         self._kv_track[request.request_id] = {
             "ticket": ticket,
+            "remote_request_id": params.get("remote_request_id"),
             "host": params.get("remote_host"),
             "port": params.get("remote_port"),
             "tp_size": params.get("tp_size", 1),
@@ -273,7 +274,10 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         self._kv_incarnation: int | None = None
         self._kv_granted: set[str] = set()
         self._kv_tickets: dict[str, LeaseTicket] = {}  # tracked request -> ticket
-        self._kv_remote_id: dict[str, str] = {}  # tracked request -> producer's request id
+        self._kv_remote_id: dict[str, str] = {}  # READ posted: request -> producer's request id
+        # Tracked request -> the producer's request id its ticket came with: a READ meta of the
+        # same (reused) request id for another producer request is not this lease's business.
+        self._kv_source: dict[str, str] = {}
         self._kv_reading: set[str] = set()  # READ posted, vLLM has not reported it yet
         self._kv_verdict: set[str] = set()  # READ reported by vLLM, waiting for the accessor
         self._kv_failed: set[str] = set()  # the accessor gave the access up before vLLM reported it
@@ -299,10 +303,15 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         kv = getattr(metadata, "kvlease", None) or {}
         driver = self._kv_ensure_driver(kv.get("incarnation"))
         if driver.accessor is not None:
-            for req_id, info in kv.get("track", {}).items():
-                self._kv_track(driver, req_id, info)
+            # Untracks first: one names a request the scheduler shipped a track for in an
+            # earlier step, so a track of the same id in this metadata is a later request
+            # (request ids kept as the client sent them, e.g. with
+            # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION). The other order would untrack the new
+            # request's lease, or erase its loss record, and let its READ run unleased.
             for req_id in kv.get("untrack", ()):
                 self._kv_untrack(driver, req_id)
+            for req_id, info in kv.get("track", {}).items():
+                self._kv_track(driver, req_id, info)
             deferred, self._kv_deferred = self._kv_deferred, []
             for req_id, meta in deferred:
                 self._read_blocks_for_req(req_id, meta)
@@ -327,6 +336,9 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                 self._kv_granted.add(req_id)
 
     def _kv_track(self, driver: Driver, req_id: str, info: dict[str, Any]) -> None:
+        source = info.get("remote_request_id")
+        if source is not None:
+            self._kv_source[req_id] = str(source)
         try:
             ticket = LeaseTicket.from_dict(info["ticket"])
         except ProtocolError as exc:
@@ -349,6 +361,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             return
         self._kv_lost.discard(req_id)
         self._kv_tickets.pop(req_id, None)
+        self._kv_source.pop(req_id, None)
         remote = self._kv_remote_id.pop(req_id, None)
         if remote is not None:
             self._kv_swap.pop(remote, None)
@@ -365,12 +378,20 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         driver = self.kvlease_driver
+        source = self._kv_source.get(req_id)
+        if source is not None and source != meta.remote.request_id:
+            # Another request under the same id (vLLM's notify-only cleanup of an aborted one,
+            # with ids reused): the lease tracked under this id, and its loss record, are not
+            # that request's to end or to consume.
+            super()._read_blocks_for_req(req_id, meta)
+            return None
         ticket = self._kv_tickets.get(req_id)
         if req_id in self._kv_lost:
             self._kv_lost.discard(req_id)
             if any(len(group) > 0 for group in meta.local_block_ids):
                 self._kv_refuse(req_id, "its lease was lost")
             else:
+                self._kv_source.pop(req_id, None)
                 super()._read_blocks_for_req(req_id, meta)  # nothing to read: vLLM's notify-only path
             return None
         if driver is None or ticket is None:
@@ -420,6 +441,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 
     def _kv_forget(self, req_id: str) -> None:
         self._kv_tickets.pop(req_id, None)
+        self._kv_source.pop(req_id, None)
         self._kv_reading.discard(req_id)
         self._kv_verdict.discard(req_id)
         self._kv_failed.discard(req_id)
