@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections import OrderedDict
 
 import attrs
 
-from ._clock import MAX_TIME, ClockOffsetEstimator, ClockSample, LocalTime, PeerTime, check_time
+from ._clock import MAX_TIME, ClockOffsetEstimator, ClockSample, LocalTime, check_time
 from ._codec import MIN_ID_BUDGET, heartbeat_id_budget, split_ids
 from ._config import LeaseConfig
 from ._errors import ConfigError, LocalProtocolError
@@ -61,6 +60,8 @@ from ._messages import (
     Message,
     Release,
 )
+from ._peer import Outstanding, PinnerEngine, Round
+from ._records import GivenUp
 from ._terms import LeaseTerms
 
 __all__ = ["AccessDecision", "Accessor", "TrackedState"]
@@ -141,7 +142,7 @@ class _Tracked:
         "valid_until",
     )
 
-    def __init__(self, key: str, engine: _PinnerEngine, ticket: LeaseTicket, push: bool, now: float) -> None:
+    def __init__(self, key: str, engine: PinnerEngine, ticket: LeaseTicket, push: bool, now: float) -> None:
         self.key = key
         self.engine = engine
         self.lease_id = ticket.lease_id
@@ -163,80 +164,6 @@ class _Tracked:
         # Verdicts on that attached notification that arrived before access_finished (a transport
         # may report the transfer done after the pinner already answered), for this attempt only.
         self.early_verdicts: dict[int, AccessOutcome] | None = None
-
-
-class _Round:
-    """One heartbeat round to one engine: its chunks' seqs still awaiting acks."""
-
-    __slots__ = ("seqs", "t_send")
-
-    def __init__(self, t_send: float) -> None:
-        self.t_send = t_send
-        self.seqs: set[int] = set()
-
-
-class _Outstanding:
-    __slots__ = ("extension", "ids", "incarnation", "missing", "pending_ranks", "round", "round_id", "t_send")
-
-    def __init__(
-        self, t_send: float, incarnation: int, ids: tuple[int, ...], ranks: range, rnd: _Round, round_id: int
-    ) -> None:
-        self.t_send = t_send
-        self.incarnation = incarnation
-        self.ids = ids
-        self.pending_ranks = set(ranks)
-        self.missing: set[int] = set()
-        self.extension = float("inf")  # the smallest extension an ack of this chunk stated
-        self.round = rnd
-        self.round_id = round_id
-
-
-class _PinnerEngine:
-    """What this accessor rank knows of one pinner engine."""
-
-    __slots__ = (
-        "clock",
-        "connected",
-        "deadlines",
-        "engine_id",
-        "handshake_due",
-        "handshake_for",
-        "handshakes",
-        "incarnation",
-        "leases",
-        "max_message_bytes",
-        "new_ids",
-        "next_heartbeat",
-        "outstanding",
-        "ranks",
-        "rounds",
-        "terms",
-    )
-
-    def __init__(self, engine_id: str, config: LeaseConfig, ranks: int) -> None:
-        self.engine_id = engine_id
-        self.connected = False
-        self.incarnation: int | None = None
-        self.ranks = ranks
-        # Keyed by (incarnation, lease id): a restarted pinner reuses ids under a new incarnation.
-        self.leases: dict[tuple[int, int], _Tracked] = {}
-        self.deadlines: dict[tuple[int, int], PeerTime] = {}  # fixed-TTL deadlines, pinner clock
-        self.new_ids: set[tuple[int, int]] = set()
-        self.next_heartbeat = float("inf")
-        self.handshake_due = _NEG_INF
-        # Handshakes sent and not yet answered: seq -> t_send. A reply counts only if it answers
-        # one of them; the first accepted reply retires them all (older ones are superseded).
-        self.handshakes: OrderedDict[int, float] = OrderedDict()
-        # The incarnation named by the ticket whose tracking asked for those handshakes (None:
-        # proactive). A ticket of another one retires them: their replies may predate it.
-        self.handshake_for: int | None = None
-        self.outstanding: OrderedDict[int, _Outstanding] = OrderedDict()
-        # Rounds with chunks awaiting acks, oldest first (max_outstanding_heartbeats bounds them).
-        self.rounds: OrderedDict[int, _Round] = OrderedDict()
-        # What validity may assume: our own terms until the pinner states its own (handshake).
-        self.terms = LeaseTerms.own(config)
-        self.max_message_bytes = config.max_message_bytes  # lowered to the pinner's at handshake
-        self.clock = ClockOffsetEstimator(config.max_drift_rate, config.clock_sample_window)
 
 
 class Accessor:
@@ -265,17 +192,15 @@ class Accessor:
         self.session = session
         self.rank = rank
         self.ranks = ranks
-        self._engines: dict[str, _PinnerEngine] = {}
+        self._engines: dict[str, PinnerEngine] = {}
         self._tracked: dict[str, _Tracked] = {}
         # (time to look at the lease again, key): a lower bound of when its validity lapses.
         self._checks: list[tuple[float, str]] = []
         self._now = _NEG_INF
         self._seq = 0  # every handshake, heartbeat and access attempt takes the next one
-        # Leases this accessor gave up, in the order it did: never tracked again (a message it
-        # sent about one may still be in flight). Bounded; older ones fall under a watermark
-        # per (pinner engine, incarnation), and tickets at or below it are refused too.
-        self._retired: OrderedDict[tuple[str, int, int], None] = OrderedDict()
-        self._retired_floor: dict[tuple[str, int], int] = {}
+        # Leases this accessor gave up: never tracked again (a message it sent about one may
+        # still be in flight). Bounded by a watermark per (pinner engine, incarnation).
+        self._given_up = GivenUp(config.tombstone_limit)
 
     # -- time -------------------------------------------------------------------------------
 
@@ -393,7 +318,7 @@ class Accessor:
         if why is not None:
             raise LocalProtocolError(f"lease {ticket.lease_id} of {ticket.engine_id!r}: {why}")
         rkey = (ticket.engine_id, ticket.incarnation, ticket.lease_id)
-        if rkey in self._retired:
+        if rkey in self._given_up:
             raise LocalProtocolError(
                 f"lease {ticket.lease_id} of {ticket.engine_id!r} was tracked before by this accessor and given up; "
                 "a message about it may still be in flight, so re-tracking it needs a fresh lease"
@@ -403,11 +328,11 @@ class Accessor:
         if known is not None and lkey in known.leases:
             raise LocalProtocolError(f"lease {ticket.lease_id} of {ticket.engine_id!r} is already tracked")
         self._now = now
-        if ticket.lease_id <= self._retired_floor.get((ticket.engine_id, ticket.incarnation), 0):
+        if self._given_up.below_watermark(ticket.engine_id, ticket.incarnation, ticket.lease_id):
             return (LeaseLost(key, ticket.lease_id, LostReason.FORGOTTEN),)
         eng = self._engines.get(ticket.engine_id)
         if eng is None:
-            eng = self._engines[ticket.engine_id] = _PinnerEngine(ticket.engine_id, self.config, ticket.ranks)
+            eng = self._engines[ticket.engine_id] = PinnerEngine(ticket.engine_id, self.config, ticket.ranks)
         if eng.connected and eng.incarnation == ticket.incarnation and eng.ranks != ticket.ranks:
             self._retire(rkey)
             return (LeaseLost(key, ticket.lease_id, LostReason.UNKNOWN),)
@@ -759,7 +684,7 @@ class Accessor:
         return tuple(out)
 
     @staticmethod
-    def _ack_lists_match(rec: _Outstanding, ack: HeartbeatAck) -> bool:
+    def _ack_lists_match(rec: Outstanding, ack: HeartbeatAck) -> bool:
         """Every listed id was in the heartbeat, and none is listed twice."""
         sent = set(rec.ids)
         seen: set[int] = set()
@@ -804,10 +729,10 @@ class Accessor:
         self._advance(now)
         eng = self._engines.get(engine_id)
         if eng is None:
-            eng = self._engines[engine_id] = _PinnerEngine(engine_id, self.config, 1)
+            eng = self._engines[engine_id] = PinnerEngine(engine_id, self.config, 1)
         return HandshakeNeeded(engine_id, self._handshake(now, eng))
 
-    def _handshake(self, now: float, eng: _PinnerEngine) -> Handshake:
+    def _handshake(self, now: float, eng: PinnerEngine) -> Handshake:
         seq = self._next_seq()
         eng.handshakes[seq] = now
         while len(eng.handshakes) > self.config.max_outstanding_heartbeats:
@@ -823,7 +748,7 @@ class Accessor:
             LocalTime(now),
         )
 
-    def _layout(self, eng: _PinnerEngine) -> TpLayout:
+    def _layout(self, eng: PinnerEngine) -> TpLayout:
         """Which pinner ranks this accessor rank accesses (vLLM's heterogeneous-TP mapping)."""
         return tp_layout(eng.ranks, self.ranks, self.rank)
 
@@ -846,52 +771,37 @@ class Accessor:
         msg = Release(self.engine_id, self.rank, self.ranks, self.session, t.incarnation, (t.lease_id,), posted)
         return tuple(Send(eng.engine_id, r, msg) for r in self._layout(eng).targets)
 
-    def _make_room(self, now: float, eng: _PinnerEngine, *, periodic: bool) -> bool:
-        """Forget rounds that can no longer extend anything (sent before ``now - E_a``); for a
-        periodic round also the oldest while `max_outstanding_heartbeats` rounds are
-        outstanding. Whether there is room for another round."""
-        horizon = now - eng.terms.accessor_extension
-        bound = self.config.max_outstanding_heartbeats
-        rounds = eng.rounds
-        while rounds:
-            round_id, rnd = next(iter(rounds.items()))
-            if not (rnd.t_send < horizon or (periodic and len(rounds) >= bound)):
-                break
-            del rounds[round_id]
-            for seq in rnd.seqs:
-                eng.outstanding.pop(seq, None)
-        return len(rounds) < bound
+    def _make_room(self, now: float, eng: PinnerEngine, *, periodic: bool) -> bool:
+        """Forget rounds of `eng` that can no longer extend anything; whether another fits."""
+        return eng.make_room(now, self.config.max_outstanding_heartbeats, periodic=periodic)
 
-    def _send_heartbeats(self, now: float, eng: _PinnerEngine, ids: list[int], out: list[AccessorOutput]) -> None:
+    def _send_heartbeats(self, now: float, eng: PinnerEngine, ids: list[int], out: list[AccessorOutput]) -> None:
         assert eng.incarnation is not None
         budget = heartbeat_id_budget(eng.max_message_bytes - self.config.frame_overhead, self.engine_id, eng.engine_id)
         targets = self._layout(eng).targets
-        rnd = _Round(now)
+        rnd = Round(now)
         round_id = self._seq + 1
         eng.rounds[round_id] = rnd
         for chunk in split_ids(ids, budget):
             seq = self._next_seq()
             rnd.seqs.add(seq)
-            eng.outstanding[seq] = _Outstanding(now, eng.incarnation, chunk, targets, rnd, round_id)
+            eng.outstanding[seq] = Outstanding(now, eng.incarnation, chunk, targets, rnd, round_id)
             hb = Heartbeat(
                 self.engine_id, self.rank, self.ranks, self.session, eng.incarnation, seq, LocalTime(now), chunk
             )
             out.extend(Send(eng.engine_id, r, hb) for r in targets)
 
-    def _refresh_fixed(self, now: float, eng: _PinnerEngine, t: _Tracked) -> None:
-        deadline = eng.deadlines.get((t.incarnation, t.lease_id))
-        if deadline is None or not t.held:
+    def _refresh_fixed(self, now: float, eng: PinnerEngine, t: _Tracked) -> None:
+        if not t.held:
             return
-        local = eng.clock.to_local_deadline(LocalTime(now), deadline)
-        if local is not None:
-            valid = local - self.config.validity_margin
-            if valid > t.valid_until:
-                first = t.valid_until == _NEG_INF
-                t.valid_until = valid
-                if first:
-                    # The check queued at track time assumed one accessor extension; a short
-                    # TTL's converted deadline can be earlier, so queue a check at it.
-                    heapq.heappush(self._checks, (valid, t.key))
+        valid = eng.fixed_valid_until(now, (t.incarnation, t.lease_id), self.config.validity_margin)
+        if valid is not None and valid > t.valid_until:
+            first = t.valid_until == _NEG_INF
+            t.valid_until = valid
+            if first:
+                # The check queued at track time assumed one accessor extension; a short
+                # TTL's converted deadline can be earlier, so queue a check at it.
+                heapq.heappush(self._checks, (valid, t.key))
 
     def _lose(self, t: _Tracked, reason: LostReason) -> tuple[AccessorOutput, ...]:
         if t.state is TrackedState.ACCESSING:
@@ -921,14 +831,7 @@ class Accessor:
 
     def _retire(self, rkey: tuple[str, int, int]) -> None:
         """Remember a lease given up, so it is never tracked again (bounded: see `track`)."""
-        retired = self._retired
-        retired[rkey] = None
-        while len(retired) > self.config.tombstone_limit:
-            (engine_id, incarnation, lease_id), _ = retired.popitem(last=False)
-            floor = self._retired_floor
-            fkey = (engine_id, incarnation)
-            if lease_id > floor.get(fkey, 0):
-                floor[fkey] = lease_id
+        self._given_up.add(rkey)
 
     def _require(self, key: str, *states: TrackedState) -> _Tracked:
         t = self._tracked.get(key)

@@ -28,7 +28,8 @@ from collections.abc import Iterable
 
 import attrs
 
-from ._accessor import Accessor, _PinnerEngine
+from ._accessor import Accessor
+from ._binding import Bound
 from ._clock import MAX_TIME, LocalTime
 from ._codec import MAX_IDS
 from ._config import MIN_ACCESS_TIME, MIN_VALIDITY_MARGIN, LeaseConfig
@@ -44,7 +45,8 @@ from ._messages import (
     Message,
     Release,
 )
-from ._pinner import LeaseState, Pinner, _Lease
+from ._peer import PinnerEngine as _PinnerEngine
+from ._pinner import LeaseState, Pinner
 
 __all__ = [
     "ChunkBoundAccessor",
@@ -209,7 +211,7 @@ class NoBindingPinner(Pinner):
     renews it, and its access-done or release ends it."""
 
     @staticmethod
-    def _bound_elsewhere(lease: _Lease, engine_id: str, rank: int, session: int) -> bool:
+    def _bound_elsewhere(lease: Bound, engine_id: str, rank: int, session: int) -> bool:
         return False
 
     def _renew(

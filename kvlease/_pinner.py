@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections import OrderedDict
 from collections.abc import Iterable
 
 import attrs
 
+from ._binding import bind, bound_elsewhere, fresh_renewal, sessions
 from ._clock import LocalTime, PeerTime, check_time
 from ._codec import MAX_IDS, MIN_ID_BUDGET, chunk_cost, heartbeat_id_budget
 from ._config import LeaseConfig
@@ -47,6 +47,7 @@ from ._messages import (
     Message,
     Release,
 )
+from ._records import Tombstones
 
 __all__ = ["LeaseInfo", "LeaseState", "Pinner", "PinnerCounters"]
 
@@ -187,20 +188,6 @@ def _end_reason(lease: _Lease, otherwise: EndReason) -> EndReason:
     return EndReason.RELEASED if lease.released else otherwise
 
 
-class _Tombstone:
-    """What a finished lease leaves behind to answer late messages precisely."""
-
-    __slots__ = ("accessor", "done", "reason", "sessions")
-
-    def __init__(
-        self, reason: EndReason, accessor: str | None, done: frozenset[int] | None, sessions: dict[int, int] | None
-    ) -> None:
-        self.reason = reason
-        self.accessor = accessor
-        self.done = done  # the accessor ranks whose access-done or release was counted
-        self.sessions = sessions  # and their sessions
-
-
 @attrs.frozen
 class LeaseInfo:
     """A read-only view of a live lease."""
@@ -272,7 +259,7 @@ class Pinner:
         self.counters = PinnerCounters()
         self._leases: dict[int, _Lease] = {}
         self._heap: list[tuple[float, int]] = []
-        self._tombstones: OrderedDict[int, _Tombstone] = OrderedDict()
+        self._tombstones = Tombstones(config.tombstone_limit)
         self._by_key: dict[str, int] | None = {} if config.vllm_compat else None
         self._next_id = 1
         self._now = float("-inf")
@@ -438,8 +425,7 @@ class Pinner:
 
     def ended_reason(self, lease_id: int) -> EndReason | None:
         """Why a finished lease ended, while its tombstone lasts."""
-        tomb = self._tombstones.get(lease_id)
-        return None if tomb is None else tomb.reason
+        return self._tombstones.reason(lease_id)
 
     @property
     def live_count(self) -> int:
@@ -513,51 +499,10 @@ class Pinner:
         self.counters.rejected += 1
         return Rejected(engine_id, f"{what}: {why}")
 
-    @staticmethod
-    def _bound_elsewhere(lease: _Lease, engine_id: str, rank: int, session: int) -> bool:
-        """Whether the lease speaks for another accessor (engine or session of this rank)."""
-        if lease.accessor is not None and lease.accessor != engine_id:
-            return True
-        if lease.b_rank == rank:
-            return lease.b_session != session
-        more = lease.more
-        return more is not None and rank in more and more[rank][0] != session
-
-    @staticmethod
-    def _bind(lease: _Lease, engine_id: str, rank: int, session: int) -> None:
-        """Bind `rank` of `engine_id` (with `session`) to the lease, if not bound yet."""
-        lease.accessor = engine_id
-        if lease.b_rank < 0:
-            lease.b_rank, lease.b_session, lease.b_seq = rank, session, 0
-        elif lease.b_rank != rank:
-            if lease.more is None:
-                lease.more = {}
-            lease.more.setdefault(rank, [session, 0])
-
-    @staticmethod
-    def _fresh_renewal(lease: _Lease, rank: int, seq: int | None) -> bool:
-        """Whether a heartbeat with `seq` from the bound `rank` may extend the lease (a newer
-        one than any that did), recording it. None: no seq (vLLM compat), always fresh."""
-        if seq is None:
-            return True
-        if lease.b_rank == rank:
-            if seq <= lease.b_seq:
-                return False
-            lease.b_seq = seq
-            return True
-        assert lease.more is not None
-        entry = lease.more[rank]
-        if seq <= entry[1]:
-            return False
-        entry[1] = seq
-        return True
-
-    @staticmethod
-    def _sessions(lease: _Lease) -> dict[int, int]:
-        out = {} if lease.b_rank < 0 else {lease.b_rank: lease.b_session}
-        if lease.more:
-            out.update((r, v[0]) for r, v in lease.more.items())
-        return out
+    # Binding (spec §5.2, `kvlease._binding`): class attributes, so a test double can swap one.
+    _bound_elsewhere = staticmethod(bound_elsewhere)
+    _bind = staticmethod(bind)
+    _fresh_renewal = staticmethod(fresh_renewal)
 
     def _on_heartbeat(self, now: LocalTime, msg: Heartbeat) -> tuple[PinnerOutput, ...]:
         self.counters.heartbeats += 1
@@ -703,15 +648,7 @@ class Pinner:
         lease = self._leases.get(lease_id) if incarnation == self.incarnation else None
         if lease is None:
             tomb = self._tombstones.get(lease_id) if incarnation == self.incarnation else None
-            if (
-                tomb is not None
-                and tomb.reason is EndReason.ACCESS_DONE
-                and tomb.accessor == sender
-                and tomb.done is not None
-                and rank in tomb.done
-                and tomb.sessions is not None
-                and tomb.sessions.get(rank) == session
-            ):
+            if tomb is not None and tomb.confirms(sender, rank, session):
                 return AccessOutcome.OK  # a duplicate of this rank's access-done, counted while live
             self.counters.late_access_done += 1
             return AccessOutcome.STALE if tomb is not None else AccessOutcome.UNKNOWN
@@ -845,11 +782,8 @@ class Pinner:
         del self._leases[lease.lease_id]
         if self._by_key is not None and self._by_key.get(lease.key) == lease.lease_id:
             del self._by_key[lease.key]
-        if self.config.tombstone_limit:
-            sessions = self._sessions(lease) if reason is EndReason.ACCESS_DONE else None
-            self._tombstones[lease.lease_id] = _Tombstone(reason, lease.accessor, lease.done, sessions)
-            if len(self._tombstones) > self.config.tombstone_limit:
-                self._tombstones.popitem(last=False)
+        bound = sessions(lease) if reason is EndReason.ACCESS_DONE else None
+        self._tombstones.record(lease.lease_id, reason, lease.accessor, lease.done, bound)
         if reason is EndReason.EXPIRED:
             self.counters.expired += 1
         elif reason is EndReason.RELEASED:

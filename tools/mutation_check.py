@@ -39,6 +39,8 @@ from typing import Any
 import attrs
 
 from kvlease import LeaseKind, _accessor, _clock, _pinner, _terms
+from kvlease._peer import PinnerEngine
+from kvlease._records import GivenUp, Tombstone
 from kvlease.conformance import CoreImplementation, JSONDict, VectorResult, run_vectors
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
@@ -178,7 +180,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "tombstone_ok_any_session",
         "a tombstone answers OK only to the rank and session it counted",
-        (edit(P, "_count_access", "and tomb.sessions.get(rank) == session", "and True"),),
+        (edit(Tombstone, "confirms", "and self.sessions.get(rank) == session", "and True"),),
     ),
     Mutant(
         "quarantined_counts_access_done",
@@ -413,7 +415,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "watermark_moves_down",
         "the watermark of given-up leases never moves down",
-        (edit(A, "_retire", "if lease_id > floor.get(fkey, 0):", "if True:"),),
+        (edit(GivenUp, "add", "if lease_id > self._floor.get(fkey, 0):", "if True:"),),
     ),
     Mutant(
         "other_tp_size_tracked",
@@ -487,12 +489,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "v3: max_outstanding_heartbeats counts heartbeat rounds, not chunks",
         (
             edit(
-                A,
-                "_make_room",
+                PinnerEngine,
+                "make_room",
                 "(periodic and len(rounds) >= bound)",
-                "(periodic and len(eng.outstanding) >= bound)",
+                "(periodic and len(self.outstanding) >= bound)",
             ),
-            edit(A, "_make_room", "return len(rounds) < bound", "return len(eng.outstanding) < bound"),
+            edit(PinnerEngine, "make_room", "return len(rounds) < bound", "return len(self.outstanding) < bound"),
         ),
     ),
     Mutant(

@@ -873,7 +873,7 @@ def _accessor_fp(a: Accessor) -> Hashable:
         for name, eng in a._engines.items()
     )
     checks = tuple(sorted(a._checks))
-    return (a._seq, tracked, engines, checks, tuple(a._retired), tuple(sorted(a._retired_floor.items())))
+    return (a._seq, tracked, engines, checks, a._given_up.snapshot())
 
 
 def describe(world: World, action: Action) -> str:
