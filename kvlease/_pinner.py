@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from collections import deque
 from collections.abc import Iterable
 
 import attrs
@@ -55,6 +56,9 @@ _MAX_RANK = MAX_RANKS
 _COMPAT_RANK_BASE = _MAX_RANK  # pseudo-ranks for vLLM's rank-less `id:count` notifications
 _COMPAT_ENGINE = "vllm"  # the accessor a lease renewed or ended by stock vLLM notifications is bound to
 _U64 = 1 << 64
+#: Lease ids held at most in heartbeats that name a lease not granted yet (spec §5.5 step 0);
+#: a heartbeat that would exceed it is answered at once (its early ids `unknown`).
+MAX_HELD_IDS = 1 << 16
 
 
 class LeaseState(enum.Enum):
@@ -215,6 +219,7 @@ class PinnerCounters:
     heartbeat_ids_missing: int = 0
     late_access_done: int = 0
     rejected: int = 0
+    heartbeats_held: int = 0  # held until the lease they name is granted (spec §5.5 step 0)
 
 
 class Pinner:
@@ -263,6 +268,11 @@ class Pinner:
         self._by_key: dict[str, int] | None = {} if config.vllm_compat else None
         self._next_id = 1
         self._now = float("-inf")
+        # Heartbeats naming a lease id not granted yet (spec §5.5 step 0): (answer by, message),
+        # in arrival order, and the smallest highest-id among them.
+        self._held: deque[tuple[float, Heartbeat]] = deque()
+        self._held_ids = 0
+        self._held_top = _U64
 
     # -- time -------------------------------------------------------------------------------
 
@@ -279,18 +289,25 @@ class Pinner:
 
     def next_deadline(self) -> LocalTime | None:
         """When `handle_timeout` next has work (possibly early, never late), or None."""
-        return LocalTime(self._heap[0][0]) if self._heap else None
+        nd = self._heap[0][0] if self._heap else None
+        if self._held:
+            # A held heartbeat is answered once its ids are granted, or at its answer-by time.
+            due = self._now if self._held_top < self._next_id else self._held[0][0]
+            nd = due if nd is None else min(nd, due)
+        return None if nd is None else LocalTime(nd)
 
     def handle_timeout(self, now: LocalTime) -> tuple[PinnerOutput, ...]:
-        """Expire every lease whose deadline has passed. Safe to call at any time."""
+        """Answer held heartbeats that are due and expire every lease whose deadline has
+        passed. Safe to call at any time."""
         self._advance(now)
         heap = self._heap
+        held: list[PinnerOutput] = self._answer_held(now) if self._held else []
         if not heap or heap[0][0] > now:
             # Nothing due: the common case (a driver calls this every forward pass).
             if len(heap) > 2 * len(self._leases) + 64:
                 self._compact()
-            return ()
-        out: list[PinnerOutput] = []
+            return tuple(held)
+        out: list[PinnerOutput] = held
         while heap and heap[0][0] <= now:
             _, lease_id = heapq.heappop(heap)
             lease = self._leases.get(lease_id)
@@ -306,6 +323,22 @@ class Pinner:
         if len(heap) > 2 * len(self._leases) + 64:
             self._compact()
         return tuple(out)
+
+    def _answer_held(self, now: float) -> list[PinnerOutput]:
+        """Answer, in arrival order, every held heartbeat whose ids are all granted by now or
+        whose answer-by time has come (its ids still not granted are then ``unknown``)."""
+        out: list[PinnerOutput] = []
+        keep: deque[tuple[float, Heartbeat]] = deque()
+        top, count = _U64, 0
+        for due, msg in self._held:
+            if msg.lease_ids[-1] < self._next_id or due <= now:
+                out.extend(self._answer(LocalTime(now), msg))
+            else:
+                keep.append((due, msg))
+                top = min(top, msg.lease_ids[-1])
+                count += len(msg.lease_ids)
+        self._held, self._held_top, self._held_ids = keep, top, count
+        return out
 
     def _compact(self) -> None:
         """Drop the entries ended leases left behind (bounds the heap at 2x live + 64)."""
@@ -516,6 +549,26 @@ class Pinner:
             self.counters.rejected += 1
             why = f"heartbeat of {len(ids)} ids costs more than the {self._ack_budget}-byte id budget of its ack"
             return (Rejected(msg.engine_id, why),)
+        if (
+            ids
+            and ids[-1] >= self._next_id
+            and msg.incarnation == self.incarnation
+            and self._held_ids + len(ids) <= MAX_HELD_IDS
+        ):
+            # It names a lease this rank has not granted yet: its ticket went out before the
+            # grant reached this rank (vLLM publishes the ticket a step before its workers
+            # grant). Answered `unknown` now, the accessor would lose a lease about to exist:
+            # held instead, and answered once granted or after one heartbeat interval. Holding
+            # is safe: a later renewal extends further than the receipt's would have.
+            self._held.append((now + self.config.heartbeat_interval, msg))
+            self._held_ids += len(ids)
+            self._held_top = min(self._held_top, ids[-1])
+            self.counters.heartbeats_held += 1
+            return ()
+        return self._answer(now, msg)
+
+    def _answer(self, now: LocalTime, msg: Heartbeat) -> tuple[PinnerOutput, ...]:
+        """Renew what a heartbeat names and acknowledge it (spec §5.5 steps 2-4)."""
         out: list[PinnerOutput] = []
         renewed, unknown, expired, released, completed, foreign = self._renew(
             now, msg.incarnation, msg.lease_ids, msg.engine_id, msg.rank, msg.session, msg.seq

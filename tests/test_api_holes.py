@@ -1092,3 +1092,44 @@ def test_10h_an_access_time_bound_of_zero_is_refused() -> None:
     with pytest.raises(ConfigError, match="max_access_time"):
         LeaseConfig(max_access_time=MIN_ACCESS_TIME / 2)
     assert LeaseConfig(max_access_time=MIN_ACCESS_TIME).push_guard > 0
+
+
+# -- issue 21.2: a ticket published before its grant --------------------------------------------
+#
+# vLLM's producer scheduler publishes the ticket (request_finished) a step before its workers
+# grant it (the connector metadata carrying the grant runs one step later: a whole prefill
+# forward with async scheduling). Shown failing on the v3 core before the rule (de74a7c): the
+# heartbeat was answered `unknown` at once and the accessor lost the lease (LeaseLost(unknown)),
+# while the pinner then held the memory for the whole initial lease.
+
+
+def test_11a_a_heartbeat_for_a_lease_granted_a_step_later_keeps_it() -> None:
+    pin = make_pinner(CFG, PIN, INC)
+    first = pin.grant(p(10.0), "warm")  # the pinner is known to the accessor already
+    acc = make_accessor(CFG, ACC)
+    assert handshake(acc, acc.track(a(100.0), "warm", first), pin, a(100.0), p(10.0)) == []
+    # The scheduler's ticket for the next lease reaches the decoder before the worker grants.
+    early = LeaseTicket.from_dict({**first.to_dict(), "lease_id": first.lease_id + 1})
+    assert acc.track(a(100.2), "k", early) == ()
+    sends = [o for o in acc.handle_timeout(a(100.2)) if isinstance(o, Send)]
+    assert sends, "the new id is heartbeated at once"
+    outs: list[object] = []
+    for s in sends:
+        outs.extend(pin.receive(p(10.3), wire(s.message)))
+    assert outs == [], "held: no answer before the grant"
+    nd = pin.next_deadline()
+    assert nd is not None and nd <= p(10.3) + CFG.heartbeat_interval
+    # The worker's step: the grant arrives, then handle_timeout answers the held heartbeat.
+    tk = pin.grant(p(10.35), "k")
+    assert tk.lease_id == early.lease_id
+    nd = pin.next_deadline()
+    assert nd is not None and nd <= p(10.35), "due at once once granted"
+    acks = [o for o in pin.handle_timeout(p(10.35)) if isinstance(o, Send)]
+    assert len(acks) == len(sends)
+    lost: list[object] = []
+    for ack in acks:
+        assert isinstance(ack.message, HeartbeatAck) and ack.message.unknown == ()
+        lost.extend(acc.receive(a(100.45), wire(ack.message)))
+    assert lost == []
+    decision = acc.begin_access(a(100.5), "k")
+    assert decision.allowed and decision.guaranteed

@@ -199,8 +199,10 @@ def _releasing() -> tuple[Pinner, int, LocalTime]:
 
 
 def _unknown() -> tuple[Pinner, int, LocalTime]:
+    # Below the next id and never granted (an id at or above the next id is held, see
+    # test_a_heartbeat_naming_a_lease_not_granted_yet_is_held).
     p = Pinner(CFG, "prefill-0", INC)
-    p.grant(_t(0), "k")
+    p.grant(_t(0), "k", lease_id=1000)
     return p, 999, _t(1)
 
 
@@ -349,8 +351,9 @@ def test_release_message_in_every_state(state: str, inc_ok: bool) -> None:
 def test_local_release_in_every_state(state: str) -> None:
     p, lid, now = STATES[state]()
     if state == "unknown":
+        assert p.release(now, lid) == ()  # below the next id: nothing to release
         with pytest.raises(LocalProtocolError, match="never granted"):
-            p.release(now, lid)
+            p.release(now, 5000)  # at or above it: never granted
         return
     before = p.info(lid)
     out = p.release(now, lid)
@@ -987,8 +990,9 @@ def test_tombstones_are_bounded_and_zero_disables_them() -> None:
 
 def test_counters() -> None:
     p = Pinner(CFG, "prefill-0", INC)
-    a, b, c = (p.grant(_t(0), k).lease_id for k in "abc")
-    p.receive(_t(1), _hb((a, b, 77)))
+    a, b = (p.grant(_t(0), k).lease_id for k in "ab")
+    c = p.grant(_t(0), "c", lease_id=100).lease_id
+    p.receive(_t(1), _hb((a, b, 77)))  # 77: below the next id, never granted
     p.receive(_t(1), _done(a, confirm=False))
     p.release(_t(1), b)
     p.handle_timeout(_t(50))
@@ -1126,10 +1130,19 @@ def test_a_lease_speaks_for_one_accessor_and_frees_once(
     p = Pinner(CFG, "prefill-0", INC, rank=1, ranks=2)
     now = T0
     p.grant(LocalTime(now), "k1")
+    top = 1  # the highest id granted: a heartbeat naming a higher one is held (spec §5.5)
     owner: dict[int, str] = {}
     sessions: dict[tuple[int, int], int] = {}
     freed: set[int] = set()
-    for op, engine, session, (rank, ranks), lid, dt in ops:
+    held: dict[tuple[str, int, int, int], int] = {}  # (engine, rank, session, seq) -> lease id
+
+    def check_ack(ack: HeartbeatAck, engine: str, lid: int) -> None:
+        assert ack.rank == 1
+        if ack.renewed:
+            assert owner.setdefault(lid, engine) == engine
+            assert sessions.setdefault((lid, ack.to_rank), ack.to_session) == ack.to_session
+
+    for seq, (op, engine, session, (rank, ranks), lid, dt) in enumerate(ops, 1):
         now += dt
         t = LocalTime(now)
         speaks = accesses(2, 1, ranks, rank)
@@ -1138,17 +1151,19 @@ def test_a_lease_speaks_for_one_accessor_and_frees_once(
         if op == "grant":
             with contextlib.suppress(LocalProtocolError):  # ids only increase: lower ones are refused
                 p.grant(t, f"k{lid}", lease_id=lid)
+                top = lid
         elif op == "hb":
-            out = p.receive(t, _hb((lid,), engine=engine, rank=rank, ranks=ranks, session=session))
+            out = p.receive(t, _hb((lid,), engine=engine, rank=rank, ranks=ranks, session=session, seq=seq))
             acks = [o.message for o in out if isinstance(o, Send)]
             if not speaks:
                 assert acks == [] and p.info(lid) == before
+            elif lid > top:
+                assert acks == [] and p.info(lid) == before  # held until granted
+                held[(engine, rank, session, seq)] = lid
             else:
                 (ack,) = acks
-                assert isinstance(ack, HeartbeatAck) and ack.rank == 1
-                if ack.renewed:
-                    assert owner.setdefault(lid, engine) == engine
-                    assert sessions.setdefault((lid, rank), session) == session
+                assert isinstance(ack, HeartbeatAck)
+                check_ack(ack, engine, lid)
         elif op in ("done", "rel"):
             msg = (
                 _done(lid, engine=engine, rank=rank, ranks=ranks, session=session)
@@ -1169,7 +1184,75 @@ def test_a_lease_speaks_for_one_accessor_and_frees_once(
                 out = p.release(t, lid)
         else:
             out = p.handle_timeout(t)
+            for o in out:
+                if isinstance(o, Send) and isinstance(o.message, HeartbeatAck):
+                    ack = o.message
+                    check_ack(ack, o.engine_id, held.pop((o.engine_id, ack.to_rank, ack.to_session, ack.seq)))
         for o in out:
             if isinstance(o, Free):
                 assert o.lease_id not in freed
                 freed.add(o.lease_id)
+
+
+# -- held heartbeats (spec §5.5): a ticket published before the grant --------------------------
+
+
+def test_a_heartbeat_naming_a_lease_not_granted_yet_is_held() -> None:
+    p = Pinner(CFG, "prefill-0", INC)
+    a = p.grant(_t(0), "a").lease_id
+    assert p.receive(_t(3), _hb((a, a + 1), seq=1)) == ()
+    assert p.counters.heartbeats_held == 1
+    assert p.next_deadline() == _t(3) + CFG.heartbeat_interval  # its answer-by time
+    assert p.handle_timeout(_t(3.5)) == ()
+    b = p.grant(_t(3.6), "b").lease_id
+    assert b == a + 1 and p.next_deadline() == _t(3.6)  # answerable now
+    ack = _only_ack(p.handle_timeout(_t(3.6)))
+    assert ack.renewed == 2 and ack.unknown == () and float(ack.t_recv) == _t(3.6)
+    info = p.info(a)
+    assert info is not None and info.expiry == _t(3.6) + CFG.lease_extension  # renewed at the answer
+    nd = p.next_deadline()
+    assert nd is None or nd > _t(3.6)
+
+
+def test_a_held_heartbeat_is_answered_unknown_at_its_answer_by_time() -> None:
+    p = Pinner(CFG, "prefill-0", INC)
+    a = p.grant(_t(0), "a").lease_id
+    assert p.receive(_t(1), _hb((a, 40), seq=1)) == ()
+    assert p.handle_timeout(_t(1 + CFG.heartbeat_interval - 1e-3)) == ()
+    ack = _only_ack(p.handle_timeout(_t(1 + CFG.heartbeat_interval)))
+    assert ack.renewed == 1 and ack.unknown == (40,)
+    assert p.counters.heartbeats == 1  # counted once, when received
+
+
+def test_held_heartbeats_are_answered_in_arrival_order_and_before_frees() -> None:
+    p = Pinner(CFG, "prefill-0", INC)
+    old = p.grant(_t(0), "old").lease_id
+    assert p.receive(_t(5), _hb((old + 1,), seq=1)) == ()
+    assert p.receive(_t(5.5), _hb((old + 2,), seq=2)) == ()
+    p.grant(_t(5.9), "n1")
+    p.grant(_t(5.9), "n2")
+    out = p.handle_timeout(_t(6.0))  # `old` expires at 6.0
+    assert [type(o).__name__ for o in out] == ["Send", "Send", "Free"]
+    seqs = [o.message.seq for o in out if isinstance(o, Send) and isinstance(o.message, HeartbeatAck)]
+    assert seqs == [1, 2]
+
+
+def test_what_is_not_held() -> None:
+    """Another incarnation's ids are unknown at once; a heartbeat from a rank that does not
+    access this one is rejected first; past the bound on held ids one is answered at once."""
+    from kvlease._pinner import MAX_HELD_IDS
+
+    p = Pinner(CFG, "prefill-0", INC)
+    a = p.grant(_t(0), "a").lease_id
+    assert _only_ack(p.receive(_t(1), _hb((a + 5,), inc=INC + 1))).unknown == (a + 5,)
+    r1 = Pinner(CFG, "prefill-0", INC, rank=1, ranks=2)
+    (rej,) = r1.receive(_t(1), _hb((5,), rank=0, ranks=2))  # accessor rank 0 of 2 reads rank 0
+    assert isinstance(rej, Rejected) and r1.counters.heartbeats_held == 0
+    big = tuple(range(a + 1, a + 1 + MAX_HELD_IDS))
+    cfg = CFG.with_changes(max_message_bytes=1 << 20)
+    q = Pinner(cfg, "prefill-0", INC)
+    q.grant(_t(0), "a")
+    assert q.receive(_t(1), _hb(big, seq=1)) == ()  # exactly the bound: held
+    ack = _only_ack(q.receive(_t(1), _hb((a + 1,), seq=2)))  # one more: answered at once
+    assert ack.unknown == (a + 1,)
+    assert q.counters.heartbeats_held == 1

@@ -502,6 +502,28 @@ MUTANTS: tuple[Mutant, ...] = (
         "v3: tracking a ticket of a new incarnation forgets the outstanding handshakes",
         (edit(A, "track", "if eng.handshakes and eng.handshake_for != ticket.incarnation:", "if False:"),),
     ),
+    Mutant(
+        "early_heartbeat_unknown",
+        "a heartbeat naming a lease id not granted yet is held, not answered unknown at once",
+        (edit(P, "_on_heartbeat", "and ids[-1] >= self._next_id", "and False"),),
+    ),
+    Mutant(
+        "held_heartbeat_waits_out",
+        "a held heartbeat is answered once every id it names is granted, not only at its answer-by time",
+        (edit(P, "_answer_held", "if msg.lease_ids[-1] < self._next_id or due <= now:", "if due <= now:"),),
+    ),
+    Mutant(
+        "held_heartbeat_late_deadline",
+        "next_deadline is due at once when a held heartbeat's ids are all granted",
+        (
+            edit(
+                P,
+                "next_deadline",
+                "due = self._now if self._held_top < self._next_id else self._held[0][0]",
+                "due = self._held[0][0]",
+            ),
+        ),
+    ),
 )
 
 

@@ -29,7 +29,15 @@ from .access import accessor_edges, failed_transfer, retrack, retrack_edges, ver
 from .codec import codec_cases
 from .fixed_ttl import fixed_ttl_bidirectional, fixed_ttl_past_deadline
 from .handshake import handshake_binding, handshake_new_incarnation, pinner_restart
-from .heartbeats import ack_binding, ack_bound, bounds, heartbeat_batching, lease_binding, rounds_bound
+from .heartbeats import (
+    ack_binding,
+    ack_bound,
+    bounds,
+    early_heartbeat,
+    heartbeat_batching,
+    lease_binding,
+    rounds_bound,
+)
 from .lifecycle import (
     accessor_crash_expiry,
     expiry_edges,
@@ -85,4 +93,6 @@ SCENARIOS: list[Callable[[], Recorder]] = [
     ack_extensions,
     rounds_bound,
     handshake_new_incarnation,
+    # issue 21.2: a ticket published before the grant reaches the pinner's workers
+    early_heartbeat,
 ]

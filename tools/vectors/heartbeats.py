@@ -1,13 +1,14 @@
 """Vectors of heartbeats and their acks: whom they count for, and how big they may grow.
 
-    heartbeat_batching, ack_binding, bounds, ack_bound, lease_binding, rounds_bound
+    heartbeat_batching, ack_binding, bounds, ack_bound, lease_binding, rounds_bound, early_heartbeat
 
 Spec rules (spec/PROTOCOL.md): the size bounds and the heartbeat split rule, and an ack that
 could exceed the pinner's bound Rejected (v3) (§4.3); a lease renewed only by the accessor engine,
 rank and session bound to it, and a replayed heartbeat extending nothing (§5.5); an ack counting
 only for the heartbeat it answers (rank, session, seq, echoed send time, ids accounted for)
 (§5.6); pinner tombstones and the accessor's outstanding rounds bounded, counted in rounds, not
-chunks (§2, §5.4). `ack_bound` and `lease_binding` are bound by tools/mutation_check.py.
+chunks (§2, §5.4); a heartbeat naming a lease not granted yet held until it is, or for one
+heartbeat interval (§5.5 step 0). `ack_bound` and `lease_binding` are bound by tools/mutation_check.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from kvlease import MIN_MESSAGE_BYTES, AccessDone, AccessOutcome, Heartbeat, Hea
 
 from ._common import BASE, Recorder, accessor, connect, forged, heartbeat_round, only, outs, pinner
 
-__all__ = ["ack_binding", "ack_bound", "bounds", "heartbeat_batching", "lease_binding", "rounds_bound"]
+__all__ = [
+    "ack_binding",
+    "ack_bound",
+    "bounds",
+    "early_heartbeat",
+    "heartbeat_batching",
+    "lease_binding",
+    "rounds_bound",
+]
 
 
 def heartbeat_batching() -> Recorder:
@@ -261,4 +270,45 @@ def rounds_bound() -> Recorder:
         assert r.at(1.5).deliver("D", a)["outputs"] == []
     dec = r.at(1.625).step("D", "begin_access", key="req-0")["result"]
     assert dec["guaranteed"] and abs(dec["valid_until"] - r.local("D", 0.375) - cfg.accessor_extension) < 1e-9
+    return r
+
+
+def early_heartbeat() -> Recorder:
+    r = Recorder(
+        "early_heartbeat",
+        "A heartbeat naming a lease id at or above the pinner's next id (its ticket went out "
+        "before the grant reached this rank: vLLM publishes it a step early) is held, not "
+        "answered 'unknown' (spec §5.5 step 0): answered at the first handle_timeout after every "
+        "id it names is granted (renewed), or at receipt + heartbeat_interval with the ids "
+        "still not granted 'unknown'.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0409), "D": accessor("decode-0")},
+        {"P": 30.0, "D": 70.0},
+    )
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.125)
+    early = {**t1, "lease_id": 2}
+    r.at(0.3).step("D", "track", key="k2", ticket=early, note="the ticket of lease 2, not granted yet")
+    hb = outs(r.at(0.375).step("D", "handle_timeout"), "Send")
+    assert len(hb) == 1 and hb[0]["message"]["lease_ids"] == [1, 2]
+    held = r.at(0.5).deliver("P", hb[0], "names lease 2, at the next id: held, no ack")
+    assert held["outputs"] == [] and r.next_work("P") == r.local("P", 1.5)
+    assert r.at(0.75).step("P", "grant", key="req-2")["result"]["lease_id"] == 2
+    ack = only(r.at(0.75).step("P", "handle_timeout", note="lease 2 granted: the held heartbeat answered"), "Send")
+    assert ack["message"]["renewed"] == 2 and ack["message"]["unknown"] == []
+    assert r.at(0.875).deliver("D", ack)["outputs"] == []
+    dec = r.at(1.0).step("D", "begin_access", key="k2")["result"]
+    assert dec["guaranteed"]
+    r.at(1.0).step("D", "access_finished", key="k2", notified=False)
+    ghost = {**t1, "lease_id": 9}
+    r.at(1.0).step("D", "track", key="k9", ticket=ghost, note="lease 9: never granted in time")
+    hb9 = outs(r.at(1.0).step("D", "handle_timeout"), "Send")
+    assert len(hb9) == 1 and hb9[0]["message"]["lease_ids"] == [9]
+    assert r.at(1.125).deliver("P", hb9[0], "held until receipt + heartbeat_interval")["outputs"] == []
+    assert r.at(2.0).step("P", "handle_timeout")["outputs"] == []
+    late = only(r.at(2.125).step("P", "handle_timeout", note="answer-by time: unknown"), "Send")
+    assert late["message"]["unknown"] == [9] and late["message"]["renewed"] == 0
+    lost = only(r.at(2.25).deliver("D", late), "LeaseLost")
+    assert lost["key"] == "k9" and lost["reason"] == "unknown"
     return r

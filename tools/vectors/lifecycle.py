@@ -272,8 +272,8 @@ def expiry_edges() -> Recorder:
         {"P": 100.0, "D": 200.0},
     )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
-    t2 = r.at(0.0).step("P", "grant", key="req-2")["result"]
-    ghost = {**t1, "lease_id": 50}
+    t2 = r.at(0.0).step("P", "grant", key="req-2", lease_id=51)["result"]
+    ghost = {**t1, "lease_id": 50}  # below the next id (52) and never granted: unknown at once
     hs = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
     r.at(0.0).step("D", "track", key="k2", ticket=t2)
     r.at(0.0).step("D", "track", key="ghost", ticket=ghost, note="a ticket for an id the pinner never granted")
@@ -281,9 +281,9 @@ def expiry_edges() -> Recorder:
     hb = outs(r.at(0.375).step("D", "handle_timeout"), "Send")[0]
     # The heartbeat is delayed until exactly the grant's expiry (grant + 6 s).
     ack = only(r.at(6.0).deliver("P", hb, "handled at now == expiry: expired, not renewed"), "Send")
-    assert ack["message"]["renewed"] == 0 and ack["message"]["expired"] == [1, 2]
+    assert ack["message"]["renewed"] == 0 and ack["message"]["expired"] == [1, 51]
     assert ack["message"]["unknown"] == [50]
-    stale = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 0, 2, 1, True, LocalTime(206.0))
+    stale = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0106, 0, 51, 1, True, LocalTime(206.0))
     res = r.at(6.0).step("P", "receive", hex=encode(stale).hex(), note="confirm-request at now == expiry")
     assert only(res, "Send")["message"]["outcome"] == int(AccessOutcome.STALE)
     frees = r.at(6.0).step("P", "handle_timeout")["outputs"]
