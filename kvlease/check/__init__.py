@@ -13,12 +13,13 @@ Pure: no clock, no I/O (the `kvlease check` command times and writes).
 
 from __future__ import annotations
 
-from ._doubles import CHECK_BUGS
+from ._doubles import BUG_HINTS, CHECK_BUGS
 from ._explore import CheckResult, Counterexample, explore, replay
 from ._vector import to_vector
 from ._world import KINDS, Scope, Violation, World
 
 __all__ = [
+    "BUG_HINTS",
     "CHECK_BUGS",
     "KINDS",
     "CheckResult",
