@@ -5,7 +5,9 @@ Each hole test switches one v2 fix off through a test-only seam (a subclass of t
 those the hole needs, so breadth-first search reaches the schedule's depth in a second; the
 shortest schedule is printed and must be short and name the actions that matter. The fixed core
 is then explored over the CI scopes with every family on (drop and cross-engine misdelivery
-left out: dropping is holding forever, for safety), with zero violations.
+left out: dropping is holding forever, for safety), with zero violations. The v3 holes (one v3
+fix off each) need the deployment they live in — the accessor configured apart, a push lease,
+pinner TP above accessor TP, one outstanding round — and each scope is clean on the fixed core.
 """
 
 from __future__ import annotations
@@ -319,3 +321,17 @@ def test_cli_writes_the_candidate_and_conformance_replays_it(tmp_path: Path) -> 
     clean = runner.invoke(main, ["check", "--depth", "4"])
     assert clean.exit_code == 0, clean.output
     assert "violations: 0" in clean.output
+
+
+@pytest.mark.parametrize("bug", ["no-ack-budget", "posted-release", "rounds"])
+def test_cli_finds_a_v3_hole_with_its_hinted_scope_and_hints_it_otherwise(bug: str, tmp_path: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(main, ["check", "--inject-bug", bug, *BUG_HINTS[bug].split(), "--json", "--out", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.output)
+    assert out["violations"] == 1 and Path(out["vector"]).exists()
+    rep = runner.invoke(main, ["conformance", "--vectors", str(tmp_path)])
+    assert rep.exit_code == 0, rep.output
+    if bug != "no-ack-budget":  # found in every scope: the forged heartbeat is one action
+        missed = runner.invoke(main, ["check", "--inject-bug", bug, "--depth", "2"])
+        assert missed.exit_code == 0 and f"--inject-bug {bug} {BUG_HINTS[bug]}" in missed.output, missed.output
