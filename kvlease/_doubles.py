@@ -327,6 +327,11 @@ class ChunkBoundAccessor(Accessor):
         eng.rounds.clear()  # and none on rounds: a new one always fits
         return True
 
+    def _send_heartbeats(self, now: float, eng: _PinnerEngine, ids: list[int], out: list[AccessorOutput]) -> None:
+        super()._send_heartbeats(now, eng, ids, out)
+        # v2 kept no rounds, so new ids are due at once (`next_deadline`) whatever is outstanding.
+        eng.rounds.clear()
+
 
 class UnretiredHandshakeAccessor(Accessor):
     """v2 (v3 hole 6): tracking a ticket keeps the handshakes already in flight, so a delayed

@@ -1,11 +1,13 @@
-"""`kvlease check`: the exhaustive explorer finds each v1 hole, and nothing on the fixed core.
+"""`kvlease check`: the exhaustive explorer finds each v1 and v3 hole, and nothing on the fixed core.
 
 Each hole test switches one v2 fix off through a test-only seam (a subclass of the real core:
 `kvlease.check._doubles`, built on `kvlease.sim._doubles`) and narrows the action families to
 those the hole needs, so breadth-first search reaches the schedule's depth in a second; the
 shortest schedule is printed and must be short and name the actions that matter. The fixed core
 is then explored over the CI scopes with every family on (drop and cross-engine misdelivery
-left out: dropping is holding forever, for safety), with zero violations.
+left out: dropping is holding forever, for safety), with zero violations. The v3 holes (one v3
+fix off each) need the deployment they live in — the accessor configured apart, a push lease,
+pinner TP above accessor TP, one outstanding round — and each scope is clean on the fixed core.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import json
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 from click.testing import CliRunner
 
-from kvlease.check import CHECK_BUGS, Scope, explore, to_vector
+from kvlease.check import BUG_HINTS, CHECK_BUGS, Scope, explore, replay, to_vector
+from kvlease.check._world import CHECK_CONFIG
 from kvlease.cli import main
 from kvlease.conformance import CoreImplementation, run_vector
 
@@ -39,6 +43,8 @@ EVERY = frozenset(
         "replay",
         "advance",
         "restart",
+        "part",
+        "bigbeat",
     }
 )
 
@@ -88,6 +94,112 @@ HOLES: dict[str, tuple[Scope, tuple[str, ...], int]] = {
         9,
     ),
 }
+
+
+#: The v3 holes (v2 behaviour): each needs the deployment it lives in. bug -> (scope, words the
+#: schedule must contain, most actions it may take, words the violation must contain).
+V3_HOLES: dict[str, tuple[Scope, tuple[str, ...], int, str]] = {
+    # The accessor configured with a 9 s lease against the pinner's 6 s.
+    "own-terms": (
+        Scope(
+            depth=8,
+            accessor_config=CHECK_CONFIG.with_changes(kv_lease_duration=9.0),
+            without=_only("grant", "track", "deliver", "advance"),
+        ),
+        ("advance real time", "deliver HeartbeatAck"),
+        8,
+        "past pinner rank 0's expiry",
+    ),
+    # A push WRITE fails after posting; it may land until begin + A.
+    "posted-release": (
+        Scope(depth=10, kinds=("push",), rates=(1.0, 1.0), without=_only("grant", "track", "deliver", "begin", "fail")),
+        ("access_failed k1 on decode-0.0 (posted)", "deliver Release"),
+        10,
+        "may still land",
+    ),
+    # Pinner TP 2, accessor TP 1: one part's notification reaches the other pinner rank.
+    "wrong-part": (
+        Scope(
+            pinner_ranks=2,
+            depth=11,
+            rates=(1.0, 1.0),
+            without=_only("grant", "track", "deliver", "begin", "finish", "misroute", "part"),
+        ),
+        ("part for P0", "misroute AccessDone", "to_rank=0", "delivered to P1"),
+        11,
+        "stale read reported done",
+    ),
+    # A forged heartbeat at the frame bound.
+    "no-ack-budget": (
+        Scope(depth=3, without=_only("grant", "bigbeat")),
+        ("forged Heartbeat near the frame bound",),
+        1,
+        "over the 1024-byte frame bound",
+    ),
+    # One round outstanding at most, tracks faster than acks return, no loss.
+    "rounds": (
+        Scope(
+            leases=2,
+            depth=10,
+            rates=(1.0, 1.0),
+            config=CHECK_CONFIG.with_changes(max_outstanding_heartbeats=1),
+            without=_only("grant", "track", "deliver"),
+        ),
+        ("track k2", "deliver HeartbeatAck(seq=2"),
+        10,
+        "liveness",
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(V3_HOLES))
+def test_each_v3_hole_is_found_in_its_deployment_and_the_fixed_core_is_clean(bug: str) -> None:
+    scope, words, most, what = V3_HOLES[bug]
+    pinner_cls, accessor_cls, hole = CHECK_BUGS[bug]
+    found = explore(scope, pinner_cls, accessor_cls)
+    cx = found.violation
+    assert cx is not None, f"{bug} ({hole}) not found in {found.states} states"
+    print(f"\n{bug}: {hole} ({found.states} states)\n  {cx.message}\n  " + "\n  ".join(cx.schedule))
+    assert len(cx.actions) <= most
+    text = "\n".join(cx.schedule)
+    for w in words:
+        assert w in text, f"{w!r} not in the schedule:\n{text}"
+    assert what in cx.message, cx.message
+    clean = explore(scope)
+    assert clean.violation is None, clean.violation
+    assert not clean.truncated and (clean.depth_reached == scope.depth or clean.exhausted)
+    assert clean.states >= found.states // 2  # the clean run covered the schedule's depth too
+    # Deterministic cost, not the wall clock: each pair stays under ~20k states.
+    assert found.states + clean.states < 20_000
+
+
+def test_a_posted_failed_push_write_is_held_to_expiry_and_guard_on_the_fixed_core() -> None:
+    """The clean side of posted-release, with time: the double's schedule on the fixed core,
+    then time runs to each instant that matters and the pinner handles its timeouts. The
+    destination outlives the WRITE's landing bound, is freed at expiry + guard, and no audit
+    trips on the way (an exhaustive run to that depth is ~100k states: too dear for every run)."""
+    scope, _, _, _ = V3_HOLES["posted-release"]
+    pinner_cls, accessor_cls, _ = CHECK_BUGS["posted-release"]
+    cx = explore(scope, pinner_cls, accessor_cls).violation
+    assert cx is not None
+    timed = attrs.evolve(scope, without=scope.without - {"advance"})
+    on_fixed, w = replay(timed, cx.rates, cx.actions)
+    assert on_fixed.message == "" and not w.frees and w.landing
+    while not w.frees:
+        due = [a for a in w.actions() if a[0] == "timeout"]
+        for a in due:
+            w.apply(a)
+        if not due:  # to the next instant that matters (two advances in a row compose)
+            w.apply(("advance", min(w._instants())))
+        assert w.real < 20.0, "never freed"
+    ((t, free),) = w.frees.values()
+    # The initial lease (6 s: the heartbeat at 0 extends to max(6, 0 + 4)), then the guard.
+    assert free.reason.value == "released"
+    assert 6.0 + CHECK_CONFIG.push_guard - 1e-6 <= t < 6.0 + CHECK_CONFIG.push_guard + 1e-3, t
+
+
+def test_every_v3_hole_has_a_command_line_scope() -> None:
+    assert set(V3_HOLES) <= set(BUG_HINTS) <= set(CHECK_BUGS)
 
 
 @pytest.mark.parametrize("bug", sorted(HOLES))
@@ -209,3 +321,17 @@ def test_cli_writes_the_candidate_and_conformance_replays_it(tmp_path: Path) -> 
     clean = runner.invoke(main, ["check", "--depth", "4"])
     assert clean.exit_code == 0, clean.output
     assert "violations: 0" in clean.output
+
+
+@pytest.mark.parametrize("bug", ["no-ack-budget", "posted-release", "rounds"])
+def test_cli_finds_a_v3_hole_with_its_hinted_scope_and_hints_it_otherwise(bug: str, tmp_path: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(main, ["check", "--inject-bug", bug, *BUG_HINTS[bug].split(), "--json", "--out", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.output)
+    assert out["violations"] == 1 and Path(out["vector"]).exists()
+    rep = runner.invoke(main, ["conformance", "--vectors", str(tmp_path)])
+    assert rep.exit_code == 0, rep.output
+    if bug != "no-ack-budget":  # found in every scope: the forged heartbeat is one action
+        missed = runner.invoke(main, ["check", "--inject-bug", bug, "--depth", "2"])
+        assert missed.exit_code == 0 and f"--inject-bug {bug} {BUG_HINTS[bug]}" in missed.output, missed.output

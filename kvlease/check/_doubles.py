@@ -1,7 +1,11 @@
 """The holes `kvlease check --inject-bug NAME` reopens, one fix switched off each (the doubles:
 `kvlease._doubles`, subclasses of the real core that override the private method implementing
 one fix). The v1 unbound-replies hole is split in two here, so each is found on its own:
-handshake replies, and acks (with v1's per-connection seq that restarts at a disconnect)."""
+handshake replies, and acks (with v1's per-connection seq that restarts at a disconnect).
+The v3 holes (v2 behaviour) need a scope that models their deployment: `own-terms` an accessor
+configured apart (`Scope.accessor_config`, `--accessor-lease`), `wrong-part` pinner TP above
+accessor TP, `rounds` a small frame or outstanding bound (`--max-outstanding`,
+`--max-message-bytes`); `BUG_HINTS` gives the command-line flags of a scope that finds each."""
 
 from __future__ import annotations
 
@@ -9,9 +13,14 @@ from collections.abc import Callable
 
 from .._accessor import Accessor
 from .._doubles import (
+    ChunkBoundAccessor,
     ForgetfulAccessor,
+    NoAckBudgetPinner,
     NoBindingPinner,
     NoRankCheckPinner,
+    NoToRankPinner,
+    OwnTermsAccessor,
+    PostedReleaseFreesPinner,
     RenewAtExpiryPinner,
     RetryAfterPostedFailureAccessor,
     UnboundAckAccessor,
@@ -20,7 +29,7 @@ from .._doubles import (
 )
 from .._pinner import Pinner
 
-__all__ = ["CHECK_BUGS"]
+__all__ = ["BUG_HINTS", "CHECK_BUGS"]
 
 
 #: name -> (pinner class, accessor class or factory, the hole it reopens)
@@ -37,4 +46,21 @@ CHECK_BUGS: dict[str, tuple[Callable[..., Pinner], Callable[..., Accessor], str]
     "renew-at-expiry": (RenewAtExpiryPinner, Accessor, "a message handled at expiry renews / completes the lease"),
     "no-margin": (Pinner, no_drift_margin_accessor, "validity without the drift shrink and margin"),
     "no-binding": (NoBindingPinner, Accessor, "leases not bound to the accessor that first spoke for them"),
+    # v2 behaviour, one v3 fix off each
+    "own-terms": (Pinner, OwnTermsAccessor, "validity from the accessor's own config, not the pinner's stated terms"),
+    "posted-release": (PostedReleaseFreesPinner, Accessor, "a posted Release of a push lease frees at once"),
+    "wrong-part": (NoToRankPinner, Accessor, "an access-done counted at a sibling rank it does not name (to_rank)"),
+    "no-ack-budget": (NoAckBudgetPinner, Accessor, "a heartbeat whose ack exceeds the frame bound is answered"),
+    "rounds": (Pinner, ChunkBoundAccessor, "outstanding heartbeats bounded by chunks, not rounds"),
+}
+
+_LEAVE_OUT = "drop,cross,dup,misroute,replay,release,untrack,retrack,disconnect,bigbeat"
+
+#: name -> `kvlease check` flags of a narrow scope that finds it (the v3 holes need a deployment).
+BUG_HINTS: dict[str, str] = {
+    "own-terms": "--accessor-lease 9 --depth 8 --without " + _LEAVE_OUT + ",begin,finish,fail,part",
+    "posted-release": "--kinds push --depth 10 --without " + _LEAVE_OUT + ",finish,advance,part",
+    "wrong-part": "-p 2 --depth 11 --without " + _LEAVE_OUT.replace(",misroute", "") + ",fail,advance",
+    "no-ack-budget": "--depth 1",
+    "rounds": "--max-outstanding 1 --leases 2 --depth 10 --without " + _LEAVE_OUT + ",begin,finish,fail,advance,part",
 }

@@ -27,7 +27,7 @@ from .._accessor import Accessor, TrackedState
 from .._clock import LocalTime
 from .._codec import decode, encode
 from .._config import LeaseConfig
-from .._errors import LocalProtocolError
+from .._errors import EncodeError, LocalProtocolError
 from .._events import (
     AccessCompleted,
     AccessorOutput,
@@ -41,7 +41,7 @@ from .._events import (
     Send,
 )
 from .._layout import tp_layout
-from .._messages import AccessDone, HandshakeReply, Heartbeat, LeaseKind, LeaseTicket
+from .._messages import AccessDone, HandshakeReply, Heartbeat, HeartbeatAck, LeaseKind, LeaseTicket, Message
 from .._pinner import LeaseState, Pinner
 
 __all__ = ["Action", "Scope", "Violation", "World"]
@@ -103,12 +103,20 @@ class Scope:
     config: LeaseConfig = attrs.field(factory=lambda: CHECK_CONFIG)
     #: Pinner restarts allowed per run (0 or 1): the "restart" action.
     restarts: int = 0
+    #: The accessors' own configuration (a rolling config change: the two sides configured
+    #: apart); None: the pinner's `config`. Validity must follow the stricter of the two.
+    accessor_config: LeaseConfig | None = None
+
+    @property
+    def accessor_cfg(self) -> LeaseConfig:
+        return self.config if self.accessor_config is None else self.accessor_config
 
     def rate_choices(self) -> list[tuple[float, ...]]:
-        """Every combination of extreme rates (pinner, accessor engines...), or the one given."""
+        """Every combination of extreme rates (pinner, accessor engines...), or the one given.
+        The extremes are those of the larger drift bound of the two configurations."""
         if self.rates is not None:
             return [self.rates]
-        rho = self.config.max_drift_rate
+        rho = max(self.config.max_drift_rate, self.accessor_cfg.max_drift_rate)
         out: list[tuple[float, ...]] = [()]
         for _ in range(1 + self.engines):
             out = [(*r, x) for r in out for x in (1.0 - rho, 1.0 + rho)]
@@ -143,6 +151,9 @@ class _Access:
     #: A target rank freed the lease before the access ended (in the world's order of events,
     #: which is the real order even when readings are equal): it must not be reported done.
     overlapped: bool = False
+    #: Pinner ranks whose part of a multi-part access has landed: its notification went out
+    #: then, while the other parts still run (the "part" action).
+    parts_done: set[int] = attrs.Factory(set)
 
 
 class World:
@@ -160,6 +171,9 @@ class World:
         cfg = scope.config
         self.scope = scope
         self.cfg = cfg
+        self.acfg = scope.accessor_cfg
+        #: The real-time bound on one access (READ/WRITE), whichever side states the larger.
+        self.access_bound = max(cfg.max_access_time, self.acfg.max_access_time)
         self.real = 0.0
         # Arbitrary, distinct epochs (large, so float rounding is exercised).
         self.epochs = [91_000.0] + [12_345.5 + 40_000.0 * i for i in range(scope.engines)]
@@ -174,7 +188,7 @@ class World:
         for i in range(scope.engines):
             for r in range(scope.accessor_ranks):
                 self.accessors[engine_name(i), r] = accessor_cls(
-                    cfg, engine_name(i), session=_session(i, r), rank=r, ranks=scope.accessor_ranks
+                    self.acfg, engine_name(i), session=_session(i, r), rank=r, ranks=scope.accessor_ranks
                 )
         # The network: (to_pinner, engine, rank, bytes), a multiset kept sorted.
         self.flight: list[tuple[bool, str, int, bytes]] = []
@@ -196,6 +210,14 @@ class World:
         self.finished: dict[tuple[str, int, str], _Access] = {}
         #: (accessor engine, rank, reply bytes) of every handshake reply delivered (audit of stale duplicates).
         self.replies_heard: set[tuple[str, int, bytes]] = set()
+        #: (lease, pinner rank) -> the real instant until which a WRITE of a posted, failed push
+        #: access may still land there (its begin plus the access bound): never freed before.
+        self.landing: dict[tuple[int, int], float] = {}
+        #: The rounds audit (liveness): (engine, rank, seq) -> (t_send, incarnation, ids, pinner
+        #: ranks whose renewing ack was delivered) of each heartbeat an accessor sent that is
+        #: still the latest naming one of its ids; (engine, rank, lease) -> that latest seq.
+        self.hb_sent: dict[tuple[str, int, int], tuple[float, int, tuple[int, ...], frozenset[int]]] = {}
+        self.hb_latest: dict[tuple[str, int, int], int] = {}
         self.last_advance = False
         self.record: list[dict[str, Any]] | None = [] if record else None
 
@@ -228,6 +250,8 @@ class World:
                     "rank": q,
                     "ranks": len(self.pinners),
                 }
+        base = attrs.asdict(self.cfg)
+        own = {k: v for k, v in attrs.asdict(self.acfg).items() if v != base[k]}
         for (e, r), acc in self.accessors.items():
             eps[f"{e}.{r}"] = {
                 "role": "accessor",
@@ -236,6 +260,8 @@ class World:
                 "ranks": acc.ranks,
                 "session": acc.session,
             }
+            if own:  # configured apart from the pinner (vector format 2)
+                eps[f"{e}.{r}"]["config"] = own
         return eps
 
     def _rec(self, endpoint: str, now: float, op: str, args: dict[str, Any] | None = None) -> None:
@@ -269,8 +295,15 @@ class World:
             tuple(sorted(self.formula.items())),
             tuple(sorted(self.hb_seq.items())),
             tuple(sorted((k, tuple(sorted(v))) for k, v in self.done_heard.items())),
-            tuple(sorted((k, a.begin, a.attempt, a.overlapped) for k, a in self.accesses.items())),
+            tuple(
+                sorted(
+                    (k, a.begin, a.attempt, a.overlapped, tuple(sorted(a.parts_done))) for k, a in self.accesses.items()
+                )
+            ),
             tuple(sorted((k, a.begin, a.end, a.attempt, a.overlapped) for k, a in self.finished.items())),
+            tuple(sorted(self.landing.items())),
+            tuple(sorted(self.hb_sent.items())),
+            tuple(sorted(self.hb_latest.items())),
         )
 
     # -- actions -----------------------------------------------------------------------------
@@ -308,6 +341,9 @@ class World:
                 if state is TrackedState.WAITING and "begin" not in no:
                     out.append(("begin", e, r, key))
                 if (e, r, key) in self.accesses:
+                    a = self.accesses[e, r, key]
+                    if "part" not in no and len(a.targets) - len(a.parts_done) > 1:
+                        out.extend(("part", e, r, key, q) for q in a.targets if q not in a.parts_done)
                     if "finish" not in no:
                         out.append(("finish", e, r, key, True))
                         out.append(("finish", e, r, key, False))
@@ -319,6 +355,8 @@ class World:
                 and not any(k[0] == e and k[1] == r for k in self.accesses)
             ):
                 out.append(("disconnect", e, r))
+        if "bigbeat" not in no:
+            out.extend(("bigbeat", q) for q in range(len(self.pinners)))
         # Timeouts: an endpoint whose deadline has come.
         now_p = self.now_p()
         for q, p in enumerate(self.pinners):
@@ -413,6 +451,7 @@ class World:
                 self._fail(*action[1:])
             case "disconnect":
                 _, e, r = action
+                self._forget_rounds(e, r)  # the core forgets what it had outstanding there
                 acc = self.accessors[e, r]
                 now = self.now_a(e)
                 self._rec(f"{e}.{r}", now, "disconnect", {"engine_id": PINNER})
@@ -433,9 +472,14 @@ class World:
                 self._deliver((m[0], action[2], m[2], m[3]))
             case "replay":
                 self._deliver(self.delivered[action[1]], replay=True)
+            case "part":
+                self._part(*action[1:])
+            case "bigbeat":
+                self._bigbeat(action[1])
             case "advance":
                 self.real = action[1]
                 self.last_advance = True
+                self.landing = {k: t for k, t in self.landing.items() if t > self.real}
             case other:
                 raise ValueError(f"unknown action {other!r}")
         self.check()
@@ -527,17 +571,28 @@ class World:
                 {q: encode(d.notification_for(q)) for q in d.targets},
                 first.attempt,
                 self.lease_kind[lid] == "push",
+                overlapped=any((lid, q) in self.frees for q in d.targets),
             )
+
+    def _part(self, e: str, r: int, key: str, q: int) -> None:
+        """One part of a multi-part access (the one from pinner rank `q`) has landed: the
+        transport sends its attached notification now, while the other parts still run."""
+        access = self.accesses[e, r, key]
+        access.parts_done.add(q)
+        self._send((True, PINNER, q, access.notifications[q]))
 
     def _finish(self, e: str, r: int, key: str, notified: bool) -> None:
         access = self.accesses.pop((e, r, key))
         access.end = self.real
         self._check_write(access)
         self.finished[e, r, key] = access
-        access.overlapped = access.overlapped or any((access.lease_id, q) in self.frees for q in access.targets)
+        access.overlapped = access.overlapped or any(
+            (access.lease_id, q) in self.frees for q in access.targets if q not in access.parts_done
+        )
         if notified:
             for q in access.targets:
-                self._send((True, PINNER, q, access.notifications[q]))
+                if q not in access.parts_done:
+                    self._send((True, PINNER, q, access.notifications[q]))
         acc = self.accessors[e, r]
         now = self.now_a(e)
         self._rec(f"{e}.{r}", now, "access_finished", {"key": key, "notified": notified})
@@ -549,7 +604,14 @@ class World:
         self._check_write(access)
         if how == "landed":  # the notification reached every target, then the transport failed
             for q in access.targets:
-                self._deliver((True, PINNER, q, access.notifications[q]))
+                if q not in access.parts_done:
+                    self._deliver((True, PINNER, q, access.notifications[q]))
+        elif how == "posted" and access.push:
+            # The WRITE may still land (a cancel races the completion) until the access bound.
+            until = access.begin + self.access_bound
+            for q in access.targets:
+                if q not in access.parts_done and until > self.real:
+                    self.landing[access.lease_id, q] = max(until, self.landing.get((access.lease_id, q), until))
         acc = self.accessors[e, r]
         now = self.now_a(e)
         posted = how != "unposted"
@@ -575,6 +637,25 @@ class World:
             if a_after is not None and a_after <= now:
                 raise Violation(f"accessor {who}.{idx}: next_deadline {a_after} <= now {now} after handle_timeout")
             self._acc_out(who, idx, a_outs)
+
+    def _bigbeat(self, q: int) -> None:
+        """The network carries anything (no deployment key): a heartbeat in the name of an
+        accessor rank of this pinner rank, as large as the frame bound allows, of unknown ids
+        2^32 apart, so its ack's lists cost more than the heartbeat's. The pinner must answer
+        within its bound (the send audit) or refuse it. Fed to the core directly: it is no
+        accessor's, so the spec's formula and the rounds audit do not see it."""
+        p = self.pinners[q]
+        r = next(
+            r for r in range(self.scope.accessor_ranks) if q in tp_layout(p.ranks, self.scope.accessor_ranks, r).targets
+        )
+        e = engine_name(0)
+        data = _big_heartbeat(
+            self.cfg.max_message_bytes, e, r, self.scope.accessor_ranks, _session(0, r), self.incarnation
+        )
+        now = self.now_p()
+        self._rec(self._pn(q), now, "receive", {"hex": data.hex()})
+        msg = decode(data)
+        self._pinner_out(q, self._call_p(q, lambda: p.receive(now, msg), local=False))
 
     # -- calls that may be refused -----------------------------------------------------------
 
@@ -627,7 +708,7 @@ class World:
             q = rank
             now = self.now_p()
             self._observe_heartbeat(q, now, msg)
-            if isinstance(msg, AccessDone):
+            if isinstance(msg, AccessDone) and msg.to_rank == q:  # another rank's part counts nothing here
                 done = self.done_heard.setdefault((glid(msg.incarnation, msg.lease_id), q), set())
                 done.add((msg.engine_id, msg.rank, msg.attempt))
             self._rec(self._pn(q), now, "receive", {"hex": data.hex()})
@@ -652,7 +733,10 @@ class World:
                             f"incarnation {msg.incarnation:#x}, seq {msg.seq}) dropped live lease(s): {lost!r}"
                         )
                 self.replies_heard.add(heard)
+                self._forget_rounds(engine, rank)  # a new connection or terms may clear them
             self._acc_out(engine, rank, outs)
+            if isinstance(msg, HeartbeatAck):
+                self._check_rounds(engine, rank, msg)
 
     def _observe_heartbeat(self, q: int, now: float, msg: object) -> None:
         """The spec's expiry formula (PROTOCOL §5): a renewable lease's expiry becomes
@@ -686,7 +770,7 @@ class World:
                 case Send():
                     if o.rank is None:
                         raise Violation(f"pinner rank {q} sent to every rank: {o!r}")
-                    self._send((False, o.engine_id, o.rank, encode(o.message)))
+                    self._send((False, o.engine_id, o.rank, self._wire(f"pinner rank {q}", o.message, self.cfg)))
                 case Free():
                     self._on_free(q, o)
                 case Rejected():
@@ -700,9 +784,14 @@ class World:
                 case Send():
                     if o.rank is None:
                         raise Violation(f"{e}.{r} sent to every rank: {o!r}")
-                    self._send((True, o.engine_id, o.rank, encode(o.message)))
+                    # After the handshake an accessor's frames fit the pinner's bound too.
+                    bound = min(self.acfg.max_message_bytes, self.cfg.max_message_bytes)
+                    data = self._wire(f"{e}.{r}", o.message, self.acfg, bound)
+                    if isinstance(o.message, Heartbeat):
+                        self._sent_heartbeat(e, r, o.message)
+                    self._send((True, o.engine_id, o.rank, data))
                 case HandshakeNeeded():
-                    self._send((True, o.engine_id, 0, encode(o.message)))
+                    self._send((True, o.engine_id, 0, self._wire(f"{e}.{r}", o.message, self.acfg)))
                 case AccessCompleted():
                     self._on_completed(e, r, o)
                 case LeaseLost() | AccessStale() | Rejected():
@@ -712,6 +801,20 @@ class World:
 
     # -- audit -------------------------------------------------------------------------------
 
+    @staticmethod
+    def _wire(who: str, msg: Message, cfg: LeaseConfig, bound: int | None = None) -> bytes:
+        """Encode one message a core emitted: every one must encode, within the frame bound."""
+        try:
+            data = encode(msg)
+        except EncodeError as exc:
+            raise Violation(f"{who} emitted a {type(msg).__name__} that cannot be encoded: {exc}") from None
+        limit = (cfg.max_message_bytes if bound is None else bound) - cfg.frame_overhead
+        if len(data) > limit:
+            raise Violation(
+                f"{who} emitted a {type(msg).__name__} of {len(data)} bytes, over the {limit}-byte frame bound"
+            )
+        return data
+
     def _on_free(self, q: int, free: Free) -> None:
         lid = glid(self.incarnation, free.lease_id)
         k = (lid, q)
@@ -719,10 +822,17 @@ class World:
             raise Violation(f"second Free of lease {free.lease_id} on pinner rank {q}: {free!r}")
         self.frees[k] = (self.real, free)
         for a in self.accesses.values():
-            if a.lease_id == lid and q in a.targets:
-                a.overlapped = True
-            if a.push and a.lease_id == lid and q in a.targets:
+            if a.lease_id != lid or q not in a.targets or q in a.parts_done:
+                continue
+            a.overlapped = True
+            if a.push and self.real < a.begin + self.access_bound:
                 raise Violation(f"push lease {free.lease_id} freed on pinner rank {q} with a write in flight")
+        until = self.landing.get(k)
+        if until is not None and self.real < until:
+            raise Violation(
+                f"push lease {free.lease_id} freed on pinner rank {q} at real {self.real:.6f}, while the WRITE of a "
+                f"posted failed access may still land there (until real {until:.6f})"
+            )
         if free.reason is EndReason.EXPIRED:
             spec = self.formula[k] + (self.cfg.push_guard if self.lease_kind[lid] == "push" else 0.0)
             if float(free.at) < spec - TOL:
@@ -747,6 +857,71 @@ class World:
                 f"[{access.begin:.6f}, {access.end:.6f}], but pinner rank(s) freed it before it ended: "
                 + ", ".join(f"rank {q} at {t:.6f} ({f.reason.value})" for q, (t, f) in frees)
             )
+
+    def _forget_rounds(self, e: str, r: int) -> None:
+        for k in [k for k in self.hb_sent if k[:2] == (e, r)]:
+            del self.hb_sent[k]
+        for k in [k for k in self.hb_latest if k[:2] == (e, r)]:
+            del self.hb_latest[k]
+
+    def _sent_heartbeat(self, e: str, r: int, hb: Heartbeat) -> None:
+        if (e, r, hb.seq) in self.hb_sent:
+            return  # the same chunk to another target rank
+        self.hb_sent[e, r, hb.seq] = (float(hb.t_send), hb.incarnation, hb.lease_ids, frozenset())
+        for pid in hb.lease_ids:
+            self.hb_latest[e, r, glid(hb.incarnation, pid)] = hb.seq
+        live = {seq for (e2, r2, _), seq in self.hb_latest.items() if (e2, r2) == (e, r)}
+        for k in [k for k in self.hb_sent if k[:2] == (e, r) and k[2] not in live]:
+            del self.hb_sent[k]
+
+    def _check_rounds(self, e: str, r: int, ack: HeartbeatAck) -> None:
+        """Liveness of the rounds bound: an ack that renewed every id of the latest heartbeat
+        naming a lease, delivered in time (within half the validity it can give) to the rank
+        and session it answers, makes the lease valid once every target rank has acked, on a
+        network that lost none of it. A core that dropped the heartbeat's record before its
+        ack could return (v2: a bound on chunks, not rounds) never validates it."""
+        acc = self.accessors[e, r]
+        if ack.to_rank != r or ack.to_session != acc.session:
+            return
+        k = (e, r, ack.seq)
+        rec = self.hb_sent.get(k)
+        if rec is None or rec[0] != float(ack.t_echo) or ack.rank in rec[3]:
+            return
+        t_send, inc, ids, acked = rec
+        if ack.incarnation != inc or ack.renewed != len(ids):
+            del self.hb_sent[k]  # a restart, or a lease listed lost: nothing to promise
+            for lk in [lk for lk, seq in self.hb_latest.items() if lk[:2] == (e, r) and seq == ack.seq]:
+                del self.hb_latest[lk]
+            return
+        acked = acked | {ack.rank}
+        self.hb_sent[k] = (t_send, inc, ids, acked)
+        if not set(tp_layout(len(self.pinners), acc.ranks, r).targets) <= acked:
+            return
+        # Answered by every target: nothing later can be promised from it (kept out of the
+        # fingerprint from now on, so the audit splits no states the cores do not).
+        del self.hb_sent[k]
+        latest = [lk for lk, seq in self.hb_latest.items() if lk[:2] == (e, r) and seq == ack.seq]
+        for lk in latest:
+            del self.hb_latest[lk]
+        now = self.now_a(e)
+        if now > t_send + 0.5 * min(self.cfg.accessor_extension, self.acfg.accessor_extension):
+            return
+        for pid in ids:
+            lid = glid(inc, pid)
+            if (e, r, lid) not in latest or self.lease_kind.get(lid) == "fixed":
+                continue
+            for key, ticket in self.tickets.items():
+                if glid(ticket.incarnation, ticket.lease_id) != lid:
+                    continue
+                if acc.state_of(key) not in (TrackedState.WAITING, TrackedState.ACCESSING):
+                    continue
+                v = acc.valid_until(key)
+                if v is None or v < now:
+                    raise Violation(
+                        f"liveness: {e}.{r}'s heartbeat seq {ack.seq} (sent at {t_send:.6f}, the latest naming "
+                        f"{key!r}) was renewed and acked in time by every target rank, yet {key!r} is not valid "
+                        f"(valid_until {v}): its record was dropped before its ack could return"
+                    )
 
     def check(self) -> None:
         """The state invariants, at this real instant."""
@@ -797,6 +972,25 @@ class World:
                             f"{e}.{r} counts {key!r} (lease {ticket.lease_id}) valid until real {v_real:.6f}, past "
                             f"pinner rank {q}'s {'free' if freed else 'expiry'} at {limit:.6f}"
                         )
+
+
+_BIG: dict[tuple[int, str, int, int, int, int], bytes] = {}
+
+
+def _big_heartbeat(bound: int, engine: str, rank: int, ranks: int, session: int, incarnation: int) -> bytes:
+    """The largest heartbeat within `bound` bytes of unknown ids 2^32 apart (memoized)."""
+    key = (bound, engine, rank, ranks, session, incarnation)
+    if key not in _BIG:
+
+        def frame(n: int) -> bytes:
+            ids = tuple(2**40 + i * 2**32 for i in range(n))
+            return encode(Heartbeat(engine, rank, ranks, session, incarnation, 2**63, LocalTime(0.0), ids))
+
+        n = 1
+        while len(frame(n + 1)) <= bound:
+            n += 1
+        _BIG[key] = frame(n)
+    return _BIG[key]
 
 
 # -- canonical views of the cores (read-only; kept out of the cores' hot paths) ----------------
@@ -900,6 +1094,10 @@ def describe(world: World, action: Action) -> str:
         return f"replay {type(decode(data)).__name__} -> {dest}"
     if name == "advance":
         return f"advance real time to {action[1]:.6f}"
+    if name == "part":
+        return f"part for P{action[4]} of {action[3]} on {action[1]}.{action[2]} landed: its AccessDone sent"
+    if name == "bigbeat":
+        return f"forged Heartbeat near the frame bound (ids 2^32 apart) -> P{action[1]}"
     if name == "timeout":
         who = f"P{action[2]}" if action[1] == "P" else f"{action[1]}.{action[2]}"
         return f"handle_timeout {who}"

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import click
 
-from ..check import CHECK_BUGS, KINDS, Scope, explore, to_vector
+from ..check import BUG_HINTS, CHECK_BUGS, KINDS, Scope, explore, to_vector
+from ..check._world import CHECK_CONFIG
 
 __all__ = ["check"]
 
@@ -34,6 +35,8 @@ _FAMILIES = (
     "replay",
     "advance",
     "restart",
+    "part",
+    "bigbeat",
 )
 
 
@@ -71,10 +74,22 @@ def _ranks(value: int) -> int:
     help="Pinner restarts per schedule (a new incarnation; lease ids start again at 1).",
 )
 @click.option(
+    "--accessor-lease",
+    type=click.FloatRange(0.0, 86400.0, min_open=True),
+    default=None,
+    help="The accessors' own kv_lease_duration (the two sides configured apart); default: the pinner's 6 s.",
+)
+@click.option(
+    "--max-outstanding",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="max_outstanding_heartbeats on both sides (default 64).",
+)
+@click.option(
     "--inject-bug",
     type=click.Choice(sorted(CHECK_BUGS)),
     default=None,
-    help="Run against a core with one v2 fix switched off.",
+    help="Run against a core with one fix switched off (v1 holes: a v2 fix; v3 holes: a v3 fix).",
 )
 @click.option("--max-states", type=int, default=None, help="Stop after this many states (a lower bound).")
 @click.option(
@@ -95,6 +110,8 @@ def check(
     history: int,
     without: str,
     restarts: int,
+    accessor_lease: float | None,
+    max_outstanding: int | None,
     inject_bug: str | None,
     max_states: int | None,
     out_dir: Path | None,
@@ -110,7 +127,25 @@ def check(
     left_out = frozenset() if without in ("", "none") else frozenset(w.strip() for w in without.split(","))
     if left_out - set(_FAMILIES):
         raise click.BadParameter(f"unknown action families {sorted(left_out - set(_FAMILIES))}")
-    scope = Scope(pinner_ranks, accessor_ranks, engines, leases, kind_list, depth, history, left_out, restarts=restarts)
+    config = (
+        CHECK_CONFIG
+        if max_outstanding is None
+        else CHECK_CONFIG.with_changes(max_outstanding_heartbeats=max_outstanding)
+    )
+    acfg = None if accessor_lease is None else config.with_changes(kv_lease_duration=accessor_lease)
+    scope = Scope(
+        pinner_ranks,
+        accessor_ranks,
+        engines,
+        leases,
+        kind_list,
+        depth,
+        history,
+        left_out,
+        config=config,
+        restarts=restarts,
+        accessor_config=acfg,
+    )
     pinner_cls, accessor_cls, hole = CHECK_BUGS[inject_bug] if inject_bug else (None, None, "")
     t0 = time.perf_counter()
     result = explore(scope, *(() if pinner_cls is None else (pinner_cls, accessor_cls)), max_states=max_states)
@@ -135,6 +170,9 @@ def check(
             "depth": depth,
             "history": history,
             "without": sorted(left_out),
+            "restarts": restarts,
+            "accessor_lease": accessor_lease,
+            "max_outstanding": max_outstanding,
             "inject_bug": inject_bug,
         },
         "states": result.states,
@@ -170,6 +208,8 @@ def check(
         )
         if cx is None:
             click.echo("violations: 0")
+            if inject_bug in BUG_HINTS:
+                click.echo(f"a scope that finds it: kvlease check --inject-bug {inject_bug} {BUG_HINTS[inject_bug]}")
         else:
             click.echo(f"violations: 1 — {cx.message}")
             click.echo(f"shortest schedule ({len(cx.actions)} actions, clock rates {list(cx.rates)}):")
