@@ -641,7 +641,7 @@ class World:
     def _bigbeat(self, q: int) -> None:
         """The network carries anything (no deployment key): a heartbeat in the name of an
         accessor rank of this pinner rank, as large as the frame bound allows, of unknown ids
-        2^32 apart, so its ack's lists cost more than the heartbeat's. The pinner must answer
+        2^32 apart (of another incarnation), so its ack's lists cost more than the heartbeat's. The pinner must answer
         within its bound (the send audit) or refuse it. Fed to the core directly: it is no
         accessor's, so the spec's formula and the rounds audit do not see it."""
         p = self.pinners[q]
@@ -649,8 +649,10 @@ class World:
             r for r in range(self.scope.accessor_ranks) if q in tp_layout(p.ranks, self.scope.accessor_ranks, r).targets
         )
         e = engine_name(0)
+        # Another incarnation's ids: answered `unknown` at once (this incarnation's ids at or
+        # above the next id would be held first, spec §5.5, and answered a heartbeat later).
         data = _big_heartbeat(
-            self.cfg.max_message_bytes, e, r, self.scope.accessor_ranks, _session(0, r), self.incarnation
+            self.cfg.max_message_bytes, e, r, self.scope.accessor_ranks, _session(0, r), self.incarnation ^ 1
         )
         now = self.now_p()
         self._rec(self._pn(q), now, "receive", {"hex": data.hex()})
@@ -1021,7 +1023,8 @@ def _pinner_fp(p: Pinner) -> Hashable:
         (lid, t.reason, t.accessor, t.done, None if t.sessions is None else tuple(sorted(t.sessions.items())))
         for lid, t in p._tombstones.items()
     )
-    return (p._next_id, leases, tuple(sorted(p._heap)), tombs)
+    held = tuple((due, encode(msg)) for due, msg in p._held)
+    return (p._next_id, leases, tuple(sorted(p._heap)), tombs, held)
 
 
 def _accessor_fp(a: Accessor) -> Hashable:
