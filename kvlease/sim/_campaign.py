@@ -162,6 +162,17 @@ def minimize(
                     break
         if changed:
             continue
+        # The v3 deployment faults: the decode engines on the scenario's own settings, ids
+        # consecutive.
+        for cand in (
+            attrs.evolve(best, decode=tuple(attrs.evolve(e, config=None) for e in best.decode)),
+            attrs.evolve(best, id_gap=0),
+        ):
+            if cand != best and still(cand):
+                best, changed = cand, True
+                break
+        if changed:
+            continue
         net = best.network
         for quiet in (attrs.evolve(net, loss=0.0), attrs.evolve(net, dup=0.0), attrs.evolve(net, jitter=0.0)):
             if quiet != net and still(attrs.evolve(best, network=quiet)):
@@ -212,6 +223,9 @@ def relevant_trace(result: RunResult, violation: Violation) -> list[tuple[float,
         "exact_end",
         "post_failed",
         "transfer_failed",
+        "late_write",
+        "part_misroute",
+        "forged",
     }
     start = 0.0
     for t, _who, what, detail in trace:
