@@ -13,7 +13,11 @@ more for the API-level adversity (`ApiSpec`): a message delivered to a rank it w
 to, a handshake reply delivered again, or an answer to something sent before a disconnect confers
 nothing (``misdelivery-refused``: the core refuses or ignores it, and nothing visible changes);
 and no message renews, counts or frees a lease whose expiry has come (``overdue-lease-not-renewed``:
-at pinner time now >= expiry the lease is expired even before handle_timeout frees it).
+at pinner time now >= expiry the lease is expired even before handle_timeout frees it). And for
+protocol v3's fault models (decode engines configured apart, late posted push writes, misdelivered
+parts, forged heartbeats at the frame bound, a healthy crowd): every frame encodes within its
+bound (``frame-within-bound``), and a posted push write that lands late lands in memory still
+pinned (``no-access-overlaps-free``).
 
 Pure: no clock, no I/O; the CLI writes files and draws the progress bar.
 """
