@@ -123,7 +123,9 @@ class _Adversity(_Decode):
         lease, pe = req.lease, req.p
         assert lease is not None and pe is not None
         bound = max(self.cfgs[de.name].max_access_time, self.cfgs[pe.name].max_access_time)
-        land = max(self.now, req.xfer_start + self.api_rngs["late_write"].uniform(0.5, 1.0) * bound)
+        # When the WRITE lands is the transport's business, not when the engine's loop hears it
+        # failed (a stalled forward pass hears late): possibly before this report.
+        land = max(req.xfer_end, req.xfer_start + self.api_rngs["late_write"].uniform(0.5, 1.0) * bound)
         self._count("late-write")
         if self._tracing:
             self._trace(de.name, "late_write", f"{req.key} failed after posting; it lands at {land:.9f}")
@@ -134,20 +136,20 @@ class _Adversity(_Decode):
             for out in outs:
                 self._d_output(de, r, out)
         if self.check:
-            self._at(land, self._late_land, (req, lease, pe.incarnation))
+            self._at(max(self.now, land), self._late_land, (req, lease, pe.incarnation, land))
         self._fail(de, req, "push write failed after posting")
 
-    def _late_land(self, arg: tuple[Request, SimLease, int]) -> None:
-        req, lease, incarnation = arg
+    def _late_land(self, arg: tuple[Request, SimLease, int, float]) -> None:
+        req, lease, incarnation, land = arg
         pe = lease.p
         if not pe.alive or pe.incarnation != incarnation:
             return  # the pinner engine died: its memory went with it
         for prank, (ft, why) in sorted(lease.freed.items()):
-            if ft <= self.now and why != "crash":
+            if ft <= land and why != "crash":
                 self._violate(
                     "no-access-overlaps-free",
                     f"push write {req.key} (begun {req.xfer_start:.9f}, reported failed after posting) landed at "
-                    f"{self.now:.9f}, but rank {prank} freed at {ft:.9f} ({why})",
+                    f"{land:.9f}, but rank {prank} freed at {ft:.9f} ({why})",
                     lease,
                 )
 
