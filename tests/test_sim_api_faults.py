@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from pathlib import Path
 
 import attrs
 import pytest
@@ -233,3 +234,126 @@ def test_a_retrack_after_disconnect_with_the_access_in_flight_is_refused() -> No
     acc.disconnect(LocalTime(1.6), "P")  # the transfer (and its notification) is still in flight
     with pytest.raises(LocalProtocolError):
         acc.track(LocalTime(1.7), "k-again", ticket)
+
+
+# -- protocol v3's holes ---------------------------------------------------------------------
+
+#: The seeds the v3 doubles are hunted in (each is caught well inside them).
+V3_SEEDS = range(60)
+
+
+def _apart(sc: Scenario) -> bool:
+    return any(e.config is not None and e.config != sc.config for e in sc.decode)
+
+
+#: v2 behaviour (a v3 fix off, `kvlease._doubles`) -> the claim the v3 fault models catch it on,
+#: and the fault model the catching seed must have.
+V3_CAUGHT = [
+    ("own-terms", "no-stale-read-reported-done", _apart),
+    ("posted-release-frees", "no-access-overlaps-free", lambda sc: sc.api is not None and sc.api.late_write > 0),
+    ("no-to-rank", "misdelivery-refused", lambda sc: sc.api is not None and sc.api.part_misroute > 0),
+    ("no-ack-budget", "frame-within-bound", lambda sc: sc.api is not None and sc.api.forged_heartbeat > 0),
+    # A liveness failure on a healthy network: the crowd has no loss and no scheduled faults.
+    ("chunk-bound", "live-accessor-keeps-lease", lambda sc: sc.id_gap > 0 and not sc.faults and not sc.network.loss),
+]
+
+
+def test_the_v3_fault_models_are_drawn_and_happen(real_core: dict[int, RunResult]) -> None:
+    scenarios = [campaign_scenario(seed) for seed in SEEDS]
+    apart = [sc for sc in scenarios if _apart(sc)]
+    assert 40 <= len(apart) <= 120
+    # Decode configs drawn apart in every setting the accessor takes the stricter of.
+    for field in ("kv_lease_duration", "max_drift_rate", "validity_margin", "max_access_time", "max_message_bytes"):
+        values = {getattr(e.config, field) > getattr(sc.config, field) for sc in apart for e in sc.decode if e.config}
+        assert values == {True, False}, field
+    assert any(sc.id_gap for sc in scenarios) and any(sc.max_requests == 40 for sc in scenarios)
+    seen: Counter[str] = Counter()
+    for r in real_core.values():
+        seen.update(r.api)
+    for kind in ("late-write", "part-misrouted", "forged-heartbeat"):
+        assert seen[kind] > 20, (kind, seen)
+
+
+@pytest.mark.parametrize(("bug", "claim", "has_model"), V3_CAUGHT, ids=[b for b, _, _ in V3_CAUGHT])
+def test_each_v2_behaviour_is_caught_by_the_v3_fault_models(
+    bug: str, claim: str, has_model: object, real_core: dict[int, RunResult]
+) -> None:
+    pinner_factory, accessor_factory = BUGS[bug]
+    seed = next(
+        (
+            s
+            for s in V3_SEEDS
+            if any(
+                v.claim == claim
+                for v in run_seed(s, pinner_factory=pinner_factory, accessor_factory=accessor_factory).violations
+            )
+        ),
+        None,
+    )
+    assert seed is not None, f"the v3 fault models did not catch {bug!r} in {len(V3_SEEDS)} seeds"
+    assert real_core[seed].violations == []  # the checker is not what is broken
+    sc = campaign_scenario(seed)
+    assert callable(has_model) and has_model(sc), (bug, seed)
+    # And it is that fault model which finds it: without it the same seed passes.
+    if bug == "own-terms":
+        off = attrs.evolve(sc, decode=tuple(attrs.evolve(e, config=None) for e in sc.decode))
+    elif bug == "chunk-bound":
+        off = attrs.evolve(sc, decode=tuple(attrs.evolve(e, config=None) for e in sc.decode), id_gap=0)
+    else:
+        assert sc.api is not None
+        knob = {
+            "posted-release-frees": "late_write",
+            "no-to-rank": "part_misroute",
+            "no-ack-budget": "forged_heartbeat",
+        }
+        off = attrs.evolve(sc, api=attrs.evolve(sc.api, **{knob[bug]: 0.0}))
+    r = run_scenario(off, pinner_factory=pinner_factory, accessor_factory=accessor_factory)
+    assert not any(v.claim == claim for v in r.violations), (bug, seed, r.violations)
+
+
+def test_a_v3_double_can_be_injected_from_the_command_line_and_its_record_replays(tmp_path: Path) -> None:
+    pinner_factory, _ = BUGS["posted-release-frees"]
+    seed = next(s for s in V3_SEEDS if run_seed(s, pinner_factory=pinner_factory).violations)
+    args = ["--campaign", "1", "--first-seed", str(seed), "--inject-bug", "posted-release-frees", "--json"]
+    runner = CliRunner()
+    res = runner.invoke(sim, [*args, "--max-reports", "1", "--out", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    summary = json.loads(res.output[res.output.index("{") :])
+    assert summary["failing_seeds"] == [seed] and "no-access-overlaps-free" in summary["by_claim"]
+    (record,) = (tmp_path / "traces").glob("*.json")
+    assert any(ev[2] == "late_write" for ev in json.loads(record.read_text())["trace"])
+    res = runner.invoke(sim, ["--replay", str(record)])
+    assert res.exit_code == 1 and any(v["claim"] == "no-access-overlaps-free" for v in json.loads(res.output))
+
+
+def test_a_scenario_with_configs_apart_and_ids_far_apart_round_trips() -> None:
+    sc = next(
+        campaign_scenario(s)
+        for s in SEEDS
+        if _apart(campaign_scenario(s)) and campaign_scenario(s).id_gap and campaign_scenario(s).api is not None
+    )
+    assert Scenario.from_json(json.loads(json.dumps(sc.to_json()))) == sc
+    # Every decode engine's accessor runs its own config; the pinners run the scenario's.
+    cluster = Cluster(sc, Policy.KVLEASE)
+    for e in sc.decode:
+        assert cluster.d[e.name].accessors[0].config == sc.config_of(e.name)
+    for e in sc.prefill:
+        assert cluster.p[e.name].pinners[0].config == sc.config
+
+
+def test_every_frame_the_honest_core_sends_fits_the_bound_with_ids_far_apart() -> None:
+    """At the smallest frame bound with ids up to 2**56 apart a few ids fill a chunk, so rounds
+    split into several heartbeats; every frame still encodes within the bound (the
+    ``frame-within-bound`` claim, which `no-ack-budget` breaks)."""
+    split = 0
+    for seed in range(8):
+        sc = campaign_scenario(seed)
+        sc = attrs.evolve(sc, config=sc.config.with_changes(max_message_bytes=192), id_gap=1 << 56, api=None)
+        r = run_scenario(sc, trace=True)
+        assert r.violations == [], (seed, r.violations)
+        assert r.trace is not None
+        chunks = Counter(
+            (t, who, d.split(":")[0]) for t, who, what, d in r.trace if what == "send" and "Heartbeat(" in d
+        )
+        split += sum(1 for n in chunks.values() if n > 1)
+    assert split > 10

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import attrs
+
 from .._accessor import AccessDecision, TrackedState
 from .._clock import LocalTime
 from .._codec import decode, encode
@@ -22,7 +24,7 @@ from .._events import LeaseLost, Rejected, Send
 from .._layout import tp_layout
 from .._messages import AccessDone, HandshakeReply, Heartbeat, Message
 from ._decode import _Decode
-from ._world import DecodeEngine, PrefillEngine, Request
+from ._world import DecodeEngine, PrefillEngine, Request, SimLease
 
 __all__: list[str] = []
 
@@ -36,6 +38,28 @@ class _Adversity(_Decode):
         pe = self.p.get(out.engine_id)
         if pe is None or out.rank is None:
             return False
+        api = self.api
+        assert api is not None
+        if hb and api.forged_heartbeat and self.api_rngs["forged_heartbeat"].random() < api.forged_heartbeat:
+            assert isinstance(msg, Heartbeat)
+            self._forge_heartbeat(de, pe, out.rank, msg)
+        if (
+            api.part_misroute
+            and isinstance(msg, AccessDone)
+            and pe.tp > de.tp
+            and self.api_rngs["part_misroute"].random() < api.part_misroute
+        ):
+            # One part's access-done of a multi-part access, delivered to another rank the same
+            # access reads (or writes): that rank's own part may still be running.
+            siblings = [q for q in tp_layout(pe.tp, de.tp, rank).targets if q != out.rank]
+            to = self.api_rngs["part_misroute"].choice(siblings)
+            self._api_mark(de.name, pe.name)
+            self._count("part-misrouted")
+            why = f"access-done of {de.name}.{rank} for part {out.rank} misdelivered to rank {to} of the same access"
+            if self._tracing:
+                self._trace(f"{de.name}.{rank}", "part_misroute", why)
+            self._send_checked(de, pe, to, encode(msg), why, hb, "part_misroute")
+            return True
         if (
             self._at_expiry
             and isinstance(msg, Heartbeat | AccessDone)
@@ -63,6 +87,71 @@ class _Adversity(_Decode):
                 self._send(de, pe.name, rng.choice([x for x in range(pe.tp) if x != q]), encode(msg), hb)
             return True
         return False
+
+    def _forge_heartbeat(self, de: DecodeEngine, pe: PrefillEngine, prank: int, msg: Heartbeat) -> None:
+        """Send pinner rank `prank` a heartbeat from an engine outside the deployment (no key:
+        anyone may send one), filled to the pinner's frame bound with unknown ids far apart: its
+        ack would not fit, so the pinner must refuse it (an ack over the bound is a
+        ``frame-within-bound`` violation at `_p_send`)."""
+        bound = self.cfgs[pe.name].max_message_bytes - self.cfgs[pe.name].frame_overhead
+        forged = Heartbeat(f"X{de.name}", 0, 1, 0xF0F0, msg.incarnation, 1, msg.t_send, ())
+        ids = self._forged_ids.get(bound)
+        if ids is None:
+            ids = []
+            while True:  # ids 2**32 apart, above any the simulated pinners grant
+                more = (*ids, (1 << 63) + (len(ids) << 32))
+                if len(encode(attrs.evolve(forged, lease_ids=more))) > bound:
+                    break
+                ids = list(more)
+            self._forged_ids[bound] = ids
+        data = encode(attrs.evolve(forged, lease_ids=tuple(ids)))
+        self._count("forged-heartbeat")
+        if self._tracing:
+            self._trace(f"X{de.name}", "forged", f"to {pe.name}.{prank}: {len(data)}-byte heartbeat of {len(ids)} ids")
+        if self._cut(de.name, pe.name):
+            return
+        net = self.sc.network
+        rng = self.api_rngs["forged_heartbeat"]
+        delay = net.base_delay + (min(rng.expovariate(1.0 / net.jitter), net.cap) if net.jitter > 0 else 0.0)
+        self._at(self.now + delay, self._deliver, (pe, pe.gen, prank, data, de.name))
+
+    def _late_write(self, de: DecodeEngine, now: LocalTime, req: Request) -> None:
+        """A push WRITE fails at the transport after it was posted (access_failed(posted=True)
+        on every rank: the core sends Release(posted=True)) and lands later anyway, up to the
+        access-time bound after it began. The engine recomputes; the late landing is audited:
+        no WRITE may land in memory the pinner freed."""
+        lease, pe = req.lease, req.p
+        assert lease is not None and pe is not None
+        bound = max(self.cfgs[de.name].max_access_time, self.cfgs[pe.name].max_access_time)
+        # When the WRITE lands is the transport's business, not when the engine's loop hears it
+        # failed (a stalled forward pass hears late): possibly before this report.
+        land = max(req.xfer_end, req.xfer_start + self.api_rngs["late_write"].uniform(0.5, 1.0) * bound)
+        self._count("late-write")
+        if self._tracing:
+            self._trace(de.name, "late_write", f"{req.key} failed after posting; it lands at {land:.9f}")
+        failed = []
+        for acc in de.accessors:
+            failed.append(acc.access_failed(now, req.key, posted=True))
+        for r, outs in enumerate(failed):
+            for out in outs:
+                self._d_output(de, r, out)
+        if self.check:
+            self._at(max(self.now, land), self._late_land, (req, lease, pe.incarnation, land))
+        self._fail(de, req, "push write failed after posting")
+
+    def _late_land(self, arg: tuple[Request, SimLease, int, float]) -> None:
+        req, lease, incarnation, land = arg
+        pe = lease.p
+        if not pe.alive or pe.incarnation != incarnation:
+            return  # the pinner engine died: its memory went with it
+        for prank, (ft, why) in sorted(lease.freed.items()):
+            if ft <= land and why != "crash":
+                self._violate(
+                    "no-access-overlaps-free",
+                    f"push write {req.key} (begun {req.xfer_start:.9f}, reported failed after posting) landed at "
+                    f"{land:.9f}, but rank {prank} freed at {ft:.9f} ({why})",
+                    lease,
+                )
 
     def _hold_to_expiry(self, de: DecodeEngine, pe: PrefillEngine, prank: int, msg: Heartbeat | AccessDone) -> bool:
         """Hold `msg` and have pinner rank `prank` handle it exactly at the expiry (its clock)

@@ -13,7 +13,11 @@ more for the API-level adversity (`ApiSpec`): a message delivered to a rank it w
 to, a handshake reply delivered again, or an answer to something sent before a disconnect confers
 nothing (``misdelivery-refused``: the core refuses or ignores it, and nothing visible changes);
 and no message renews, counts or frees a lease whose expiry has come (``overdue-lease-not-renewed``:
-at pinner time now >= expiry the lease is expired even before handle_timeout frees it).
+at pinner time now >= expiry the lease is expired even before handle_timeout frees it). And for
+protocol v3's fault models (decode engines configured apart, late posted push writes, misdelivered
+parts, forged heartbeats at the frame bound, a healthy crowd): every frame encodes within its
+bound (``frame-within-bound``), and a posted push write that lands late lands in memory still
+pinned (``no-access-overlaps-free``).
 
 Pure: no clock, no I/O; the CLI writes files and draws the progress bar.
 """
@@ -162,6 +166,17 @@ def minimize(
                     break
         if changed:
             continue
+        # The v3 deployment faults: the decode engines on the scenario's own settings, ids
+        # consecutive.
+        for cand in (
+            attrs.evolve(best, decode=tuple(attrs.evolve(e, config=None) for e in best.decode)),
+            attrs.evolve(best, id_gap=0),
+        ):
+            if cand != best and still(cand):
+                best, changed = cand, True
+                break
+        if changed:
+            continue
         net = best.network
         for quiet in (attrs.evolve(net, loss=0.0), attrs.evolve(net, dup=0.0), attrs.evolve(net, jitter=0.0)):
             if quiet != net and still(attrs.evolve(best, network=quiet)):
@@ -212,6 +227,9 @@ def relevant_trace(result: RunResult, violation: Violation) -> list[tuple[float,
         "exact_end",
         "post_failed",
         "transfer_failed",
+        "late_write",
+        "part_misroute",
+        "forged",
     }
     start = 0.0
     for t, _who, what, detail in trace:

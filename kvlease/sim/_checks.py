@@ -109,6 +109,17 @@ class _Checks(_Network):
         cut = de.cut_seq.get((rank, msg.engine_id))
         return cut is not None and seq <= cut
 
+    def _check_frame(self, src: str, dst: str, msg: Message, size: int, bound: int) -> None:
+        """Every frame encodes within the bound that applies to it (``frame-within-bound``):
+        an ack within its pinner's `max_message_bytes`, an accessor's message within the
+        smaller of its own and its pinner's."""
+        if size > bound:
+            self._violate(
+                "frame-within-bound",
+                f"{src} sent {dst} a {size}-byte {type(msg).__name__} over the {bound}-byte bound: {msg!r}",
+                self._msg_lease(dst.split(".")[0] if isinstance(msg, Heartbeat | AccessDone | Release) else src, msg),
+            )
+
     def _trouble(self, req: Request, what: str) -> None:
         lease = req.lease
         if self.check and lease is not None and not lease.troubled:
@@ -116,7 +127,7 @@ class _Checks(_Network):
 
     def _reclaim_bound(self, lease: SimLease) -> float:
         """The latest real time the protocol allows `lease` to stay pinned (liveness)."""
-        cfg = self.cfg
+        cfg = self.cfgs[lease.p.name]  # the pinner's own settings decide when it frees
         rho = self.sc.drift
         slow = 1.0 / (1.0 - rho)
         pstep = self.p_step_max
@@ -142,6 +153,8 @@ class _Checks(_Network):
         if sc.network.loss > 0 or lease.api:
             return False
         p, d = lease.p.name, lease.d_name
+        if d in self.cfgs and not self._rounds_cover_round_trip(p, d):
+            return False
         lo = lease.granted - 2 * self.cfg.kv_lease_duration
         for f in sc.faults:
             if f.at > end or f.at + f.duration < lo:
@@ -149,6 +162,20 @@ class _Checks(_Network):
             if f.engine in (p, d) or f.peer in (p, d):
                 return False
         return not any(lo <= t <= end and d_name == d and p_name == p for t, d_name, p_name in self.api_marks)
+
+    def _rounds_cover_round_trip(self, p: str, d: str) -> bool:
+        """Whether decode engine `d`'s `max_outstanding_heartbeats` rounds, one per heartbeat
+        period, outlast the slowest round trip to `p` (else a periodic round must drop the one
+        whose ack is still on its way, whatever the core: the liveness claim's premise)."""
+        pcfg, dcfg = self.cfgs[p], self.cfgs[d]
+        period = dcfg.heartbeat_interval
+        if pcfg.lease_extension < dcfg.lease_extension:
+            period = pcfg.lease_extension / 4.0
+        period *= 1.0 - self.sc.drift
+        wl = self.sc.workload
+        d_step = wl.step_base + wl.step_per_seq * self.d[d].slots  # a forward pass, at most
+        round_trip = 2.0 * (self.sc.network.max_delay + d_step) + self.p_step_max
+        return dcfg.max_outstanding_heartbeats * period > round_trip
 
     def _final_checks(self) -> None:
         end = self.sc.workload.duration

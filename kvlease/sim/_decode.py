@@ -274,6 +274,17 @@ class _Decode(_Prefill):
                     )
         if self._tracing:
             self._trace(de.name, "transfer_done", f"{req.key} ok={ok} end={end:.9f}")
+        api = self.api
+        if (
+            ok
+            and req.push
+            and not req.failed
+            and api is not None
+            and api.late_write
+            and self.api_rngs["late_write"].random() < api.late_write
+        ):
+            self._late_write(de, now, req)  # reported failed now, the WRITE lands later
+            return
         if ok and req.notes is not None:
             # The transport delivers each rank's attached access-done after its data landed,
             # whatever the engine has decided about the request meanwhile.
@@ -302,7 +313,6 @@ class _Decode(_Prefill):
         if de.accessors:
             notified = False
             if req.notes is not None:
-                api = self.api
                 if api is not None and api.fail_posted and self.api_rngs["fail_posted"].random() < api.fail_posted:
                     self._failed_after_notify(de, now, req)
                     return
@@ -410,6 +420,12 @@ class _Decode(_Prefill):
                     lease.last_hb = self.now
         if self._tracing:
             self._trace(f"{de.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {msg!r}")
+        if self.check:
+            pcfg = self.cfgs.get(out.engine_id)
+            bound = self.cfgs[de.name].max_message_bytes
+            if pcfg is not None and pcfg.max_message_bytes < bound:
+                bound = pcfg.max_message_bytes
+            self._check_frame(f"{de.name}.{rank}", f"{out.engine_id}.{out.rank}", msg, len(encode(msg)), bound)
         if self.api is not None:
             if self._track_seq and isinstance(msg, Heartbeat | AccessDone):
                 self._sent(de, rank, out.engine_id, msg.seq if isinstance(msg, Heartbeat) else msg.attempt)

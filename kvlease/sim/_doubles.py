@@ -6,9 +6,14 @@ from __future__ import annotations
 from .._accessor import Accessor
 from .._config import LeaseConfig
 from .._doubles import (
+    ChunkBoundAccessor,
     ForgetfulAccessor,
+    NoAckBudgetPinner,
     NoBindingPinner,
     NoRankCheckPinner,
+    NoToRankPinner,
+    OwnTermsAccessor,
+    PostedReleaseFreesPinner,
     RenewAtExpiryPinner,
     RetryAfterPostedFailureAccessor,
     UnboundRepliesAccessor,
@@ -50,4 +55,11 @@ BUGS: dict[str, tuple[PinnerFactory | None, AccessorFactory | None]] = {
     "no-rank-check": (_pinner(NoRankCheckPinner), None),
     "no-binding": (_pinner(NoBindingPinner), None),
     "renew-at-expiry": (_pinner(RenewAtExpiryPinner), None),
+    # Protocol v2 behaviour, caught by the v3 fault models (rolling config change, late posted
+    # writes, misdelivered parts, frames at the bound, many rounds per round trip):
+    "own-terms": (None, _accessor(OwnTermsAccessor)),
+    "posted-release-frees": (_pinner(PostedReleaseFreesPinner), None),
+    "no-to-rank": (_pinner(NoToRankPinner), None),
+    "no-ack-budget": (_pinner(NoAckBudgetPinner), None),
+    "chunk-bound": (None, _accessor(ChunkBoundAccessor)),
 }

@@ -71,8 +71,17 @@ class _Kernel:
         self.accessor_factory: AccessorFactory = accessor_factory or (
             lambda c, e, r, n, session: Accessor(c, e, session=session, rank=r, ranks=n)
         )
+        #: Each engine's settings (a rolling config change draws the decode side's apart).
+        self.cfgs: dict[str, LeaseConfig] = {
+            e.name: (self.cfg if e.config is None else e.config)
+            if policy is not Policy.VLLM_HB or e.config is None
+            else e.config.with_changes(vllm_compat=True)
+            for e in scenario.prefill + scenario.decode
+        }
         self.check = check
         self.rng = random.Random(scenario.seed)
+        # Lease ids far apart (`Scenario.id_gap`): their own stream.
+        self.id_rng = random.Random(scenario.seed * 0x2545F491 + 0x1D)
         self.net_rng = random.Random(scenario.seed ^ 0x5EED)
         self.result = RunResult(policy.value, scenario.seed, scenario.workload.duration)
         if trace:
@@ -144,6 +153,7 @@ class _Kernel:
         #: its messages (misroute, held message): off the liveness claim's fault-free path.
         self.api_marks: list[tuple[float, str, str]] = []
         self._copies = itertools.count(1)
+        self._forged_ids: dict[int, list[int]] = {}  # frame bound -> a forged heartbeat's ids
 
     def _start_pinner(self, pe: PrefillEngine) -> None:
         pe.incarnation = self.rng.getrandbits(64)
@@ -152,7 +162,9 @@ class _Kernel:
             pe.fixed = [FixedTimeoutPinner(timeout) for _ in range(pe.tp)]
             pe.pinners = []
         else:
-            pe.pinners = [self.pinner_factory(self.cfg, pe.name, pe.incarnation, r, pe.tp) for r in range(pe.tp)]
+            cfg = self.cfgs[pe.name]
+            pe.pinners = [self.pinner_factory(cfg, pe.name, pe.incarnation, r, pe.tp) for r in range(pe.tp)]
+            pe.last_id = 0
             pe.fixed = []
             if self.recorded is not None:
                 pe.pinners = [
@@ -164,6 +176,7 @@ class _Kernel:
                             "incarnation": pe.incarnation,
                             "rank": r,
                             "ranks": pe.tp,
+                            **self._own_config(pe.name),
                         },
                         pe.gen,
                     )
@@ -176,7 +189,8 @@ class _Kernel:
             # Sessions differ per engine incarnation (generation) and rank, deterministically (no
             # draw from the simulation's random streams).
             session = (de.gen << 20) + 1
-            de.accessors = [self.accessor_factory(self.cfg, de.name, r, de.tp, session + r) for r in range(de.tp)]
+            cfg = self.cfgs[de.name]
+            de.accessors = [self.accessor_factory(cfg, de.name, r, de.tp, session + r) for r in range(de.tp)]
             if self.recorded is not None:
                 de.accessors = [
                     self._recording(
@@ -187,6 +201,7 @@ class _Kernel:
                             "rank": r,
                             "ranks": de.tp,
                             "session": session + r,
+                            **self._own_config(de.name),
                         },
                         de.gen,
                     )
@@ -202,6 +217,11 @@ class _Kernel:
         de.hb_due = _INF
         de.sent_seq = {}
         de.cut_seq = {}
+
+    def _own_config(self, engine: str) -> dict[str, Any]:
+        """A recorded endpoint's own settings, where they differ from the scenario's."""
+        cfg = self.cfgs[engine]
+        return {} if cfg == self.cfg else {"config": attrs.asdict(cfg)}
 
     def _recording(self, core: _Core, spec: dict[str, Any], generation: int) -> _Core:
         """`core` wrapped to record its calls as endpoint `spec` (one per engine generation)."""
@@ -293,6 +313,9 @@ class _Kernel:
         raise NotImplementedError
 
     def _failed_after_notify(self, de: DecodeEngine, now: LocalTime, req: Request) -> None:
+        raise NotImplementedError
+
+    def _late_write(self, de: DecodeEngine, now: LocalTime, req: Request) -> None:
         raise NotImplementedError
 
     def _retrack_later(self, arg: tuple[DecodeEngine, int, Request]) -> None:

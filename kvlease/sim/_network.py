@@ -64,11 +64,21 @@ class _Network(_Kernel):
         dst.inbox.append((rank, data))
         self._poke(dst, self.now)
 
-    def _send_checked(self, src: SimEngine, dst: SimEngine, rank: int, data: bytes, why: str, heartbeat: bool) -> None:
-        """`_send` of one frame to `rank` of `dst` that must confer nothing there (`why`)."""
+    def _send_checked(
+        self,
+        src: SimEngine,
+        dst: SimEngine,
+        rank: int,
+        data: bytes,
+        why: str,
+        heartbeat: bool,
+        stream: str = "misroute",
+    ) -> None:
+        """`_send` of one frame to `rank` of `dst` that must confer nothing there (`why`); its
+        draws come from the API fault `stream` that misdelivered it."""
         res = self.result
         net = self.sc.network
-        rng = self.api_rngs["misroute"]  # only misroutes deliver checked frames
+        rng = self.api_rngs[stream]
         res.messages += 1
         res.protocol_bytes += len(data)
         if heartbeat:

@@ -150,7 +150,11 @@ class _Prefill(_Lifecycle):
         now = pe.clock.local(self.now)
         self.result.prefills += 1
         if pe.pinners:
-            ticket = pe.pinners[0].grant(now, req.key, push=req.push)
+            lease_id = None
+            gap = self.sc.id_gap
+            if gap:
+                lease_id = pe.last_id = pe.last_id + self.id_rng.randint(1, gap)
+            ticket = pe.pinners[0].grant(now, req.key, push=req.push, lease_id=lease_id)
             for pinner in pe.pinners[1:]:
                 pinner.grant(now, req.key, push=req.push, lease_id=ticket.lease_id)
             lid = ticket.lease_id
@@ -190,6 +194,10 @@ class _Prefill(_Lifecycle):
         heartbeat = isinstance(out.message, HeartbeatAck)
         if self._tracing:
             self._trace(f"{pe.name}.{rank}", "send", f"to {out.engine_id}.{out.rank}: {out.message!r}")
+        data = encode(out.message)
+        if self.check:
+            bound = self.cfgs[pe.name].max_message_bytes
+            self._check_frame(f"{pe.name}.{rank}", f"{out.engine_id}.{out.rank}", out.message, len(data), bound)
         if self._misroute:
             de = self.d.get(out.engine_id)
             rng = self.api_rngs["misroute"]
@@ -201,9 +209,9 @@ class _Prefill(_Lifecycle):
                 why = f"{type(out.message).__name__} of {pe.name}.{rank} for rank {out.rank} misrouted to rank {to}"
                 if self._tracing:
                     self._trace(f"{pe.name}.{rank}", "misroute", why)
-                self._send_checked(pe, de, to, encode(out.message), why, heartbeat)
+                self._send_checked(pe, de, to, data, why, heartbeat)
                 return
-        self._send(pe, out.engine_id, out.rank, encode(out.message), heartbeat)
+        self._send(pe, out.engine_id, out.rank, data, heartbeat)
 
     def _p_free(self, pe: PrefillEngine, rank: int, out: Free) -> None:
         lease = pe.live.get(out.lease_id)

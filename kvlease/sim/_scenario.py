@@ -119,6 +119,20 @@ class ApiSpec:
     #: A heartbeat or access-done is held and handled exactly at the pinner's expiry of a lease
     #: it names.
     at_expiry: float = 0.0
+    # -- protocol v3's holes (appended: the streams above keep their seeds) --------------------
+    #: A push WRITE fails at the transport after it was posted (access_failed(posted=True): a
+    #: Release(posted=True) goes out) and then lands late, up to the access-time bound after it
+    #: began: the pinner must not have freed the destination (hole 2).
+    late_write: float = 0.0
+    #: One part's access-done of a multi-part access (pinner TP > accessor TP) is delivered to
+    #: another target rank of the same access, a sibling the accessor rank also addresses: it
+    #: must free nothing there (hole 3).
+    part_misroute: float = 0.0
+    #: With a heartbeat, an engine outside the deployment's honest accessors (no key: the network
+    #: carries anything) sends the same pinner rank a heartbeat filled to the pinner's frame
+    #: bound with ids far apart, whose ack could not fit: it must be refused, not answered over
+    #: the bound (hole 4).
+    forged_heartbeat: float = 0.0
 
 
 @attrs.frozen
@@ -127,6 +141,20 @@ class EngineSpec:
     tp: int
     #: Decode engines: sequences decoded at once. Prefill engines: unused.
     slots: int = 32
+    #: This engine's own settings (a rolling config change: the two sides of a lease configured
+    #: apart); None: the scenario's `config`.
+    config: LeaseConfig | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "tp": self.tp, "slots": self.slots}
+        if self.config is not None:
+            d["config"] = attrs.asdict(self.config)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EngineSpec:
+        cfg = d.get("config")
+        return cls(d["name"], int(d["tp"]), int(d.get("slots", 32)), LeaseConfig(**cfg) if cfg is not None else None)
 
 
 @attrs.frozen
@@ -194,12 +222,23 @@ class Scenario:
     max_requests: int = 1 << 30
     #: API-level adversity (None: none; see `ApiSpec`).
     api: ApiSpec | None = None
+    #: Lease ids far apart: each grant's id is the previous one plus a random gap in
+    #: [1, id_gap] (0: consecutive ids), so heartbeats and acks reach the frame bound with few
+    #: ids and a round splits into many chunks.
+    id_gap: int = 0
+
+    def config_of(self, engine: str) -> LeaseConfig:
+        """The settings engine `engine` runs."""
+        for e in self.prefill + self.decode:
+            if e.name == engine and e.config is not None:
+                return e.config
+        return self.config
 
     def to_json(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
-            "prefill": [attrs.asdict(e) for e in self.prefill],
-            "decode": [attrs.asdict(e) for e in self.decode],
+            "prefill": [e.to_json() for e in self.prefill],
+            "decode": [e.to_json() for e in self.decode],
             "workload": attrs.asdict(self.workload),
             "network": attrs.asdict(self.network),
             "faults": [f.to_json() for f in self.faults],
@@ -207,6 +246,7 @@ class Scenario:
             "drift": self.drift,
             "max_requests": self.max_requests,
             **({"api": attrs.asdict(self.api)} if self.api is not None else {}),
+            **({"id_gap": self.id_gap} if self.id_gap else {}),
         }
 
     @classmethod
@@ -219,8 +259,8 @@ class Scenario:
                 wl[name] = tuple(wl[name])
         return cls(
             seed=int(d["seed"]),
-            prefill=tuple(EngineSpec(**e) for e in d["prefill"]),
-            decode=tuple(EngineSpec(**e) for e in d["decode"]),
+            prefill=tuple(EngineSpec.from_json(e) for e in d["prefill"]),
+            decode=tuple(EngineSpec.from_json(e) for e in d["decode"]),
             workload=WorkloadSpec(**wl),
             network=NetworkSpec(**d["network"]),
             faults=tuple(
@@ -230,6 +270,7 @@ class Scenario:
             drift=float(d["drift"]),
             max_requests=int(d["max_requests"]),
             api=ApiSpec(**d["api"]) if d.get("api") is not None else None,
+            id_gap=int(d.get("id_gap", 0)),
         )
 
 
@@ -322,6 +363,49 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         decode = tuple(EngineSpec(e.name, rng.choice((1, 2, 2, 4)), e.slots) for e in decode)
         if config is None and rng.random() < 0.3:
             cfg = cfg.with_changes(validity_margin=MIN_VALIDITY_MARGIN)  # the smallest margin allowed
+    # Protocol v3's fault models, from a stream of their own: the draws above (and so every
+    # scenario of a seed without them) are what they were before these existed.
+    v3 = random.Random(seed * 104729 + 31)
+    max_requests = 20
+    id_gap = 0
+    if config is None and v3.random() < 0.4:
+        # A rolling config change: decode engines configured apart from the prefill side, each
+        # drawn on its own (hole 1).
+        decode = tuple(attrs.evolve(e, config=_apart_config(v3, cfg)) if v3.random() < 0.75 else e for e in decode)
+    if v3.random() < 0.3:
+        # Frames at the bound: ids far apart, so a few fill a chunk (hole 4).
+        id_gap = 1 << v3.choice((24, 40, 56))
+    if v3.random() < 0.15:
+        # A long round trip: tracks come faster than acks return (hole 5).
+        network = attrs.evolve(network, base_delay=v3.uniform(ext / 40.0, ext / 12.0))
+    if config is None and v3.random() < 0.2:
+        # A healthy crowd (hole 5): no loss and no scheduled faults, a dense burst of twice as
+        # many requests, ids far apart and decode engines at the smallest frame bound with a
+        # few outstanding rounds, so a round splits into more chunks than the bound and new
+        # rounds start before its acks are back; every live lease must still validate.
+        id_gap = id_gap or 1 << 40
+        max_requests = 40
+        faults = ()
+        base = v3.uniform(ext / 16.0, ext / 10.0)
+        network = attrs.evolve(network, loss=0.0, base_delay=base, jitter=ext / 200.0, cap=ext / 40.0)
+        bursts = ((v3.uniform(0.0, horizon / 6), 2.0 * duration_lease, 30.0 / duration_lease),)
+        workload = attrs.evolve(workload, bursts=bursts)
+        decode = tuple(
+            attrs.evolve(
+                e,
+                config=(e.config or cfg).with_changes(
+                    max_message_bytes=192, max_outstanding_heartbeats=v3.choice((2, 3))
+                ),
+            )
+            for e in decode
+        )
+    if api is not None:
+        api = attrs.evolve(
+            api,
+            late_write=v3.choice((0.3, 1.0)) if v3.random() < 0.5 else 0.0,
+            part_misroute=v3.choice((0.1, 0.3)) if v3.random() < 0.5 else 0.0,
+            forged_heartbeat=v3.choice((0.01, 0.05)) if v3.random() < 0.5 else 0.0,
+        )
     return Scenario(
         seed=seed,
         prefill=prefill,
@@ -331,8 +415,9 @@ def campaign_scenario(seed: int, *, config: LeaseConfig | None = None) -> Scenar
         faults=faults,
         config=cfg,
         drift=drift,
-        max_requests=20,
+        max_requests=max_requests,
         api=api,
+        id_gap=id_gap,
     )
 
 
@@ -365,6 +450,22 @@ def _faults(
             faults.append(Fault(kind, at, rng.uniform(0.2, 2.5) * ext, d, p))
     faults.sort(key=lambda f: (f.at, f.engine))
     return tuple(faults)
+
+
+def _apart_config(rng: random.Random, pinner: LeaseConfig) -> LeaseConfig:
+    """A decode engine's own settings, drawn apart from the prefill side's `pinner`: another
+    lease duration (longer or shorter), drift bound, margin, access-time bound, frame bound and
+    bound on outstanding heartbeat rounds. The protocol's safety must not depend on them
+    agreeing (v3: the accessor takes the stricter of its own and the pinner's stated terms)."""
+    d = pinner.kv_lease_duration * rng.choice((0.5, 0.8, 1.25, 2.0, 5.0))
+    return pinner.with_changes(
+        kv_lease_duration=d,
+        max_drift_rate=rng.choice((0.0, 1e-4, 1e-3, 1e-2)),
+        validity_margin=rng.choice((MIN_VALIDITY_MARGIN, d / 100.0, d / 50.0)),
+        max_access_time=min(d, pinner.kv_lease_duration) / 10.0 * rng.choice((0.5, 1.0, 1.5)),
+        max_message_bytes=rng.choice((192, 192, 256, 1024)),
+        max_outstanding_heartbeats=rng.choice((1, 2, 4, 64, 64)),
+    )
 
 
 def _api_spec(rng: random.Random, duration_lease: float) -> ApiSpec:

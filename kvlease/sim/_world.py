@@ -168,7 +168,7 @@ class SimEngine:
 
 
 class PrefillEngine(SimEngine):
-    __slots__ = ("current", "fixed", "incarnation", "live", "pinners", "queue")
+    __slots__ = ("current", "fixed", "incarnation", "last_id", "live", "pinners", "queue")
 
     def __init__(self, name: str, tp: int, clock: DriftingClock) -> None:
         super().__init__(name, tp, clock)
@@ -177,6 +177,7 @@ class PrefillEngine(SimEngine):
         self.pinners: list[Pinner] = []
         self.fixed: list[FixedTimeoutPinner] = []
         self.incarnation = 0
+        self.last_id = 0  # the last lease id granted (ids far apart: `Scenario.id_gap`)
         self.live: dict[int, SimLease] = {}
 
 
