@@ -249,7 +249,8 @@ class Pair:
         inc = rng.randrange(1, 1 << 64) if incarnation is None else incarnation
         self.pinner = Pinner(config, pinner_engine, inc)
         self.accessor = accessor_cls(accessor_config or config, accessor_engine, session=rng.randrange(1, 1 << 64))
-        limit = config.max_message_bytes
+        # Every frame must fit both sides' bounds (spec §4.3: the accessor splits by the smaller).
+        limit = min(config.max_message_bytes, self.accessor.config.max_message_bytes)
         self.to_pinner = FakeLink(rng, to_pinner, max_bytes=limit)
         self.to_accessor = FakeLink(rng, to_accessor, max_bytes=limit)
         self.accessor_alive = True
@@ -258,6 +259,9 @@ class Pair:
         self.rejected: list[Rejected] = []
         self.handshakes = 0
         self._open_access: dict[str, float] = {}
+        # Posted push WRITEs reported failed that still land later: (real landing time, key,
+        # index of the access in its record).
+        self._landing: list[tuple[float, str, int]] = []
         # While True (inside `advance(..., accessor_stalled=True)`) the accessor does not run.
         self._accessor_stalled = False
         # The window an acknowledged round gives the accessor (spec §2.1: its own margin, the
@@ -325,13 +329,21 @@ class Pair:
         self._check_push_write(rec, begin, self.real)
         self._accessor_outputs(self.accessor.access_finished(self.now_a, key))
 
-    def fail_access(self, key: str, *, posted: bool = True) -> None:
+    def fail_access(self, key: str, *, posted: bool = True, lands_after: float = 0.0) -> None:
         """The transfer failed; `posted`: it had been handed to the transport (see
-        `Accessor.access_failed`)."""
+        `Accessor.access_failed`). `lands_after`: a posted push WRITE still lands that many
+        real seconds from now (a cancel that lost the race; spec §7.1 S2 bounds it by the
+        accessor's `max_access_time` from its begin, which the caller respects). Until then
+        the write counts as in flight: a free of its memory is a violation."""
+        if lands_after < 0.0:
+            raise ValueError("a write lands after it failed, not before")
         rec = self.record(key)
         begin = self._open_access.pop(key)
-        rec.accesses[-1] = (begin, self.real)
-        self._check_push_write(rec, begin, self.real)
+        if rec.push and posted and lands_after > 0.0:
+            self._landing.append((self.real + lands_after, key, len(rec.accesses) - 1))
+        else:
+            rec.accesses[-1] = (begin, self.real)
+            self._check_push_write(rec, begin, self.real)
         self._accessor_outputs(self.accessor.access_failed(self.now_a, key, posted=posted))
 
     def untrack(self, key: str) -> None:
@@ -351,6 +363,7 @@ class Pair:
             rec.accesses[-1] = (begin, self.real)
             self._check_push_write(rec, begin, self.real)
         self._open_access.clear()
+        self._land_writes(float("inf"))
 
     def partition(self, *, drop_in_flight: bool = True) -> None:
         self.to_pinner.up = self.to_accessor.up = False
@@ -388,8 +401,19 @@ class Pair:
         finally:
             self._accessor_stalled = False
 
+    def _land_writes(self, until: float) -> None:
+        """End the posted-failed WRITEs due by `until` (all of them at an accessor's death)."""
+        due = [w for w in self._landing if w[0] <= until]
+        self._landing = [w for w in self._landing if w[0] > until]
+        for at, key, i in due:
+            rec = self.record(key)
+            end = min(at, self.real)
+            begin = rec.accesses[i][0]
+            rec.accesses[i] = (begin, end)
+            self._check_push_write(rec, begin, end)
+
     def _next_event(self) -> float | None:
-        cands: list[float] = []
+        cands: list[float] = [w[0] for w in self._landing]
         nd = self.pinner.next_deadline()
         if nd is not None:
             cands.append(self.pinner_clock.real(nd) + STEP_EPSILON)
@@ -406,6 +430,7 @@ class Pair:
 
     def _step(self, real: float) -> None:
         self.real = real
+        self._land_writes(real)
         now_p = self.now_p
         nd = self.pinner.next_deadline()
         if nd is not None and nd <= now_p:
