@@ -249,7 +249,8 @@ class Pair:
         inc = rng.randrange(1, 1 << 64) if incarnation is None else incarnation
         self.pinner = Pinner(config, pinner_engine, inc)
         self.accessor = accessor_cls(accessor_config or config, accessor_engine, session=rng.randrange(1, 1 << 64))
-        limit = config.max_message_bytes
+        # Every frame must fit both sides' bounds (spec §4.3: the accessor splits by the smaller).
+        limit = min(config.max_message_bytes, self.accessor.config.max_message_bytes)
         self.to_pinner = FakeLink(rng, to_pinner, max_bytes=limit)
         self.to_accessor = FakeLink(rng, to_accessor, max_bytes=limit)
         self.accessor_alive = True
@@ -258,6 +259,9 @@ class Pair:
         self.rejected: list[Rejected] = []
         self.handshakes = 0
         self._open_access: dict[str, float] = {}
+        # Posted push WRITEs reported failed that still land later: (real landing time, key,
+        # index of the access in its record).
+        self._landing: list[tuple[float, str, int]] = []
         # While True (inside `advance(..., accessor_stalled=True)`) the accessor does not run.
         self._accessor_stalled = False
         # The window an acknowledged round gives the accessor (spec §2.1: its own margin, the
@@ -325,13 +329,21 @@ class Pair:
         self._check_push_write(rec, begin, self.real)
         self._accessor_outputs(self.accessor.access_finished(self.now_a, key))
 
-    def fail_access(self, key: str, *, posted: bool = True) -> None:
+    def fail_access(self, key: str, *, posted: bool = True, lands_after: float = 0.0) -> None:
         """The transfer failed; `posted`: it had been handed to the transport (see
-        `Accessor.access_failed`)."""
+        `Accessor.access_failed`). `lands_after`: a posted push WRITE still lands that many
+        real seconds from now (a cancel that lost the race; spec §7.1 S2 bounds it by the
+        accessor's `max_access_time` from its begin, which the caller respects). Until then
+        the write counts as in flight: a free of its memory is a violation."""
+        if lands_after < 0.0:
+            raise ValueError("a write lands after it failed, not before")
         rec = self.record(key)
         begin = self._open_access.pop(key)
-        rec.accesses[-1] = (begin, self.real)
-        self._check_push_write(rec, begin, self.real)
+        if rec.push and posted and lands_after > 0.0:
+            self._landing.append((self.real + lands_after, key, len(rec.accesses) - 1))
+        else:
+            rec.accesses[-1] = (begin, self.real)
+            self._check_push_write(rec, begin, self.real)
         self._accessor_outputs(self.accessor.access_failed(self.now_a, key, posted=posted))
 
     def untrack(self, key: str) -> None:
@@ -351,6 +363,7 @@ class Pair:
             rec.accesses[-1] = (begin, self.real)
             self._check_push_write(rec, begin, self.real)
         self._open_access.clear()
+        self._land_writes(float("inf"))
 
     def partition(self, *, drop_in_flight: bool = True) -> None:
         self.to_pinner.up = self.to_accessor.up = False
@@ -388,8 +401,19 @@ class Pair:
         finally:
             self._accessor_stalled = False
 
+    def _land_writes(self, until: float) -> None:
+        """End the posted-failed WRITEs due by `until` (all of them at an accessor's death)."""
+        due = [w for w in self._landing if w[0] <= until]
+        self._landing = [w for w in self._landing if w[0] > until]
+        for at, key, i in due:
+            rec = self.record(key)
+            end = min(at, self.real)
+            begin = rec.accesses[i][0]
+            rec.accesses[i] = (begin, end)
+            self._check_push_write(rec, begin, end)
+
     def _next_event(self) -> float | None:
-        cands: list[float] = []
+        cands: list[float] = [w[0] for w in self._landing]
         nd = self.pinner.next_deadline()
         if nd is not None:
             cands.append(self.pinner_clock.real(nd) + STEP_EPSILON)
@@ -406,6 +430,7 @@ class Pair:
 
     def _step(self, real: float) -> None:
         self.real = real
+        self._land_writes(real)
         now_p = self.now_p
         nd = self.pinner.next_deadline()
         if nd is not None and nd <= now_p:
@@ -636,6 +661,12 @@ class MeshAccess:
     notifications: dict[int, bytes]  # pinner rank -> the access-done attached to its part
     attempt: int
     end: float | None = None
+    #: A WRITE into the pinner's memory (push); it must not land after any target rank's free.
+    push: bool = False
+    #: Target ranks whose part of the transfer has landed (its access-done sent after it).
+    landed: set[int] = attrs.Factory(set)
+    #: A posted push WRITE reported failed lands (or is known over) at this real time.
+    lands_at: float | None = None
 
 
 class Mesh:
@@ -651,6 +682,13 @@ class Mesh:
     current expiry; `next_deadline` honest after `handle_timeout`. Handshakes travel through
     the network too (a `Handshake` reaches pinner rank 0 through `Pinner.receive`), so their
     replies can be duplicated, delayed, misrouted and replayed like everything else.
+
+    Protocol v3: `accessor_configs` gives an accessor engine its own settings (spec §2.2; the
+    others run `config`, the pinner's); every message sent must fit the smaller of the two
+    bounds of its link (the pinner's and the accessor engine's `max_message_bytes`, spec §4.3);
+    push leases are audited too: no WRITE may be in flight at a free of a rank it writes, nor
+    land after one (a posted WRITE reported failed may land later, `fail_access(lands_after=)`).
+    `id_stride` spaces lease ids apart (ids far apart cost 9 bytes each on the wire).
     """
 
     PINNER = "prefill-0"
@@ -668,8 +706,12 @@ class Mesh:
         pinner_factory: Callable[..., Pinner] = Pinner,
         accessor_factory: Callable[..., Accessor] = Accessor,
         history: int = 64,
+        accessor_configs: dict[str, LeaseConfig] | None = None,
+        id_stride: int = 1,
     ) -> None:
         self.config = config
+        self.accessor_configs = {e: (accessor_configs or {}).get(e, config) for e in accessor_engines}
+        self.id_stride = id_stride
         self.rng = rng
         self.real = 0.0
         self.delay = delay
@@ -683,7 +725,9 @@ class Mesh:
         for engine, ranks in accessor_engines.items():
             for r in range(ranks):
                 session = rng.randrange(1 << 64)
-                self.accessors[engine, r] = accessor_factory(config, engine, session=session, rank=r, ranks=ranks)
+                self.accessors[engine, r] = accessor_factory(
+                    self.accessor_configs[engine], engine, session=session, rank=r, ranks=ranks
+                )
         self.flight: list[MeshMessage] = []
         self.delivered: list[MeshMessage] = []  # the most recent, for replays
         self._history = history
@@ -695,6 +739,8 @@ class Mesh:
         # (lease id, pinner rank) -> accessor (engine, rank, attempt) whose access-done reached it
         self.done_heard: dict[tuple[int, int], set[tuple[str, int, int]]] = {}
         self.accesses: dict[tuple[str, int, str], MeshAccess] = {}  # open accesses
+        self.push_leases: set[int] = set()
+        self.writes: list[MeshAccess] = []  # posted push WRITEs reported failed, not landed yet
         self.finished: dict[tuple[str, int, str], MeshAccess] = {}  # the last finished one
         self.events: list[tuple[str, int, LeaseLost | AccessCompleted | AccessStale]] = []
         self.rejected: list[Rejected] = []
@@ -709,24 +755,29 @@ class Mesh:
 
     # -- engine actions ---------------------------------------------------------------------
 
-    def grant(self, key: str, *, kind: LeaseKind = LeaseKind.RENEWABLE, ttl: float | None = None) -> LeaseTicket:
+    def grant(
+        self, key: str, *, kind: LeaseKind = LeaseKind.RENEWABLE, ttl: float | None = None, push: bool = False
+    ) -> LeaseTicket:
         """Every pinner rank grants `key` under one id (as a scheduler fanning a grant out)."""
         now = self.now_p()
-        self._next_lease += 1
+        self._next_lease += self.id_stride
         lease_id = self._next_lease
-        ticket = self.pinners[0].grant(now, key, kind=kind, ttl=ttl, lease_id=lease_id)
+        ticket = self.pinners[0].grant(now, key, kind=kind, ttl=ttl, lease_id=lease_id, push=push)
         for p in self.pinners[1:]:
             # Same deadline for a fixed-TTL lease on every rank (spec: one clock per engine).
-            p.grant(now, key, kind=kind, ttl=ttl, lease_id=lease_id)
+            p.grant(now, key, kind=kind, ttl=ttl, lease_id=lease_id, push=push)
+        if push:
+            self.push_leases.add(lease_id)
         self.tickets[key] = LeaseTicket.from_dict(ticket.to_dict())
         self.granted_at[lease_id] = self.real
         return self.tickets[key]
 
     def track(self, engine: str, key: str, ticket: LeaseTicket) -> None:
         """Every rank of `engine` tracks `key` (misuse raises, as the core does)."""
+        push = ticket.lease_id in self.push_leases
         for (e, r), acc in self.accessors.items():
             if e == engine:
-                self._accessor_outputs(e, r, acc.track(self.now_a(e), key, ticket))
+                self._accessor_outputs(e, r, acc.track(self.now_a(e), key, ticket, push=push))
 
     def untrack(self, engine: str, rank: int, key: str) -> None:
         self._accessor_outputs(engine, rank, self.accessors[engine, rank].untrack(self.now_a(engine), key))
@@ -745,26 +796,47 @@ class Mesh:
                 decision.targets,
                 {q: encode(decision.notification_for(q)) for q in decision.targets},
                 first.attempt,
+                push=first.lease_id in self.push_leases,
             )
         return decision
 
+    def land_part(self, engine: str, rank: int, key: str, q: int) -> None:
+        """The part of an open transfer that accesses pinner rank `q` landed before the rest:
+        its attached access-done goes to `q` now (the network may still misroute it)."""
+        access = self.accesses[engine, rank, key]
+        if q in access.targets and q not in access.landed:
+            access.landed.add(q)
+            self._send(True, self.PINNER, q, access.notifications[q])
+
     def finish_access(self, engine: str, rank: int, key: str, *, notified: bool = True) -> None:
         """The transfer landed; its attached access-done (if `notified`) goes to every target
-        rank, after the data, then the accessor hears the transfer finished."""
+        rank whose part had not landed earlier, after the data, then the accessor hears the
+        transfer finished."""
         access = self.accesses.pop((engine, rank, key))
         access.end = self.real
         self.finished[engine, rank, key] = access
+        self._check_write(access, self.real)
         if notified:
             for q in access.targets:
-                self._send(True, self.PINNER, q, access.notifications[q])
+                if q not in access.landed:
+                    self._send(True, self.PINNER, q, access.notifications[q])
         acc = self.accessors[engine, rank]
         self._accessor_outputs(engine, rank, acc.access_finished(self.now_a(engine), key, notified=notified))
 
-    def fail_access(self, engine: str, rank: int, key: str, *, posted: bool, landed: bool) -> None:
+    def fail_access(
+        self, engine: str, rank: int, key: str, *, posted: bool, landed: bool, lands_after: float = 0.0
+    ) -> None:
         """The transport reports the transfer failed. `landed`: its attached notification
-        reached every target rank anyway (a cancel that raced the completion)."""
+        reached every target rank anyway (a cancel that raced the completion). `lands_after`:
+        a posted push WRITE still lands that many real seconds from now (S2 bounds it by the
+        accessor's `max_access_time` from its begin; the caller respects that)."""
         access = self.accesses.pop((engine, rank, key))
         access.end = self.real
+        if access.push and posted and lands_after > 0.0:
+            access.lands_at = self.real + lands_after
+            self.writes.append(access)
+        else:
+            self._check_write(access, self.real)
         if landed:
             for q in access.targets:
                 self._deliver(MeshMessage(-1, True, self.PINNER, q, access.notifications[q], self.real, self.real))
@@ -813,7 +885,28 @@ class Mesh:
             self._deliver(self.delivered[i % len(self.delivered)])
             self.check()
 
+    def send_raw(self, q: int, message: Message) -> None:
+        """Put `message` on the network to pinner rank `q`, as a peer outside the mesh sent
+        it (an adversary's, or a non-conforming peer's: it is size-checked like the rest)."""
+        self._send(True, self.PINNER, q, encode(message))
+
+    def bound(self, engine: str) -> int:
+        """The frame bound of the link between the pinner engine and accessor `engine`."""
+        own = self.accessor_configs.get(engine)
+        limit = self.config.max_message_bytes
+        return limit if own is None else min(limit, own.max_message_bytes)
+
     def _send(self, to_pinner: bool, engine: str, rank: int, data: bytes) -> None:
+        link = engine if not to_pinner else None
+        if to_pinner and engine == self.PINNER and data:
+            sender = decode(data)
+            link = getattr(sender, "engine_id", None)
+        limit = self.bound(link) if link is not None else self.config.max_message_bytes
+        if len(data) > limit:
+            raise InvariantViolation(
+                f"{type(decode(data)).__name__} of {len(data)} bytes to {'pinner' if to_pinner else engine}.{rank} "
+                f"exceeds max_message_bytes={limit}"
+            )
         self._ident += 1
         lo, hi = self.delay
         self.flight.append(
@@ -828,7 +921,9 @@ class Mesh:
         if m.to_pinner:
             if m.engine != self.PINNER or not 0 <= m.rank < len(self.pinners):
                 return
-            if isinstance(msg, AccessDone):
+            # Only a rank's own part's access-done shows that part's data landed; one
+            # misdelivered from a sibling part says nothing about this rank's part.
+            if isinstance(msg, AccessDone) and msg.to_rank == m.rank:
                 self.done_heard.setdefault((msg.lease_id, m.rank), set()).add((msg.engine_id, msg.rank, msg.attempt))
             self._pinner_outputs(m.rank, self.pinners[m.rank].receive(self.now_p(), msg))
         else:
@@ -847,6 +942,7 @@ class Mesh:
 
     def _next_event(self) -> float | None:
         cands = [m.deliver_at for m in self.flight if m.deliver_at is not None]
+        cands += [w.lands_at for w in self.writes if w.lands_at is not None]
         for p in self.pinners:
             nd = p.next_deadline()
             if nd is not None:
@@ -859,6 +955,9 @@ class Mesh:
 
     def _step(self, real: float) -> None:
         self.real = max(real, self.real)
+        for w in [w for w in self.writes if w.lands_at is not None and w.lands_at <= self.real]:
+            self.writes.remove(w)
+            self._check_write(w, self.real)
         due = [m for m in self.flight if m.deliver_at is not None and m.deliver_at <= self.real]
         self.flight = [m for m in self.flight if m.deliver_at is None or m.deliver_at > self.real]
         for m in sorted(due, key=lambda m: (m.deliver_at or 0.0, m.ident)):
@@ -920,6 +1019,24 @@ class Mesh:
         if k in self.frees:
             raise InvariantViolation(f"second Free of lease {free.lease_id} on pinner rank {q}: {free!r}")
         self.frees[k] = (self.real, free)
+        for w in [*self.accesses.values(), *self.writes]:
+            if w.push and w.lease_id == free.lease_id and q in w.targets:
+                raise InvariantViolation(
+                    f"push write of {w.engine}.{w.rank} into lease {free.lease_id} (begun at real {w.begin}) "
+                    f"in flight when pinner rank {q} freed it ({free.reason.value})"
+                )
+
+    def _check_write(self, w: MeshAccess, end: float) -> None:
+        """A push WRITE that landed at `end` must not have outlived a free of a rank it wrote."""
+        if not w.push:
+            return
+        for q in w.targets:
+            freed = self.frees.get((w.lease_id, q))
+            if freed is not None and freed[0] < end - TIME_TOLERANCE:
+                raise InvariantViolation(
+                    f"push write into lease {w.lease_id} landed at real {end}, after pinner rank {q} freed it "
+                    f"at {freed[0]} ({freed[1].reason.value})"
+                )
 
     def _on_event(self, engine: str, rank: int, ev: LeaseLost | AccessCompleted | AccessStale) -> None:
         self.events.append((engine, rank, ev))
