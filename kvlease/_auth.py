@@ -31,6 +31,7 @@ MAC_BYTES: Final = 16
 #: The smallest key: 128 bits.
 MIN_KEY_BYTES: Final = 16
 _PERSON: Final = b"kvlease-frame-v2"  # 16 bytes: BLAKE2b personalization (domain separation)
+_TICKET_PERSON: Final = b"kvlease-tkt-v3\x00\x00"  # tickets: another domain than frames
 
 
 def is_sealed_frame(data: bytes | bytearray | memoryview) -> bool:
@@ -82,3 +83,18 @@ class FrameAuth:
             if hmac.compare_digest(tag, self._tag(key, body)):
                 return MAGIC + body
         raise DecodeError("authentication failed: the tag matches no configured key", category="auth")
+
+    def ticket_tag(self, payload: bytes) -> str:
+        """The tag of a lease ticket's canonical bytes (`LeaseTicket.sealed_dict`), as hex."""
+        return self._ticket_tag(self._keys[0], payload).hex()
+
+    def check_ticket_tag(self, payload: bytes, tag: str) -> bool:
+        """Whether `tag` (hex) is the tag of `payload` under one of the keys."""
+        try:
+            raw = bytes.fromhex(tag)
+        except ValueError:
+            return False
+        return any(hmac.compare_digest(raw, self._ticket_tag(key, payload)) for key in self._keys)
+
+    def _ticket_tag(self, key: bytes, payload: bytes) -> bytes:
+        return hashlib.blake2b(payload, digest_size=MAC_BYTES, key=key, person=_TICKET_PERSON).digest()

@@ -8,12 +8,16 @@ wire message: it is what the pinner hands to the accessor out of band (vLLM's
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+import msgpack
 
 from ._clock import MAX_TIME, LocalTime, PeerTime
 from ._errors import RemoteProtocolError
+
+if TYPE_CHECKING:
+    from ._auth import FrameAuth
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -214,10 +218,13 @@ class LeaseTicket:
     ranks: int = 1
 
     def to_dict(self) -> dict[str, Any]:
+        """The ticket as JSON-able transfer parameters. The 64-bit `incarnation` and
+        `lease_id` are decimal strings: a router that parses JSON numbers as doubles rounds an
+        integer above 2**53, and a string survives every JSON stack."""
         d: dict[str, Any] = {
             "engine_id": self.engine_id,
-            "incarnation": self.incarnation,
-            "lease_id": self.lease_id,
+            "incarnation": str(self.incarnation),
+            "lease_id": str(self.lease_id),
             "kind": int(self.kind),
             "ranks": self.ranks,
         }
@@ -225,9 +232,24 @@ class LeaseTicket:
             d["deadline"] = float(self.deadline)
         return d
 
+    def _tag_payload(self, bind: bytes) -> bytes:
+        deadline = None if self.deadline is None else float(self.deadline)
+        fields = [self.engine_id, self.incarnation, self.lease_id, int(self.kind), deadline, self.ranks, bind]
+        return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
+
+    def sealed_dict(self, auth: FrameAuth, bind: bytes) -> dict[str, Any]:
+        """`to_dict` with a ``tag``: the deployment key's MAC over the ticket and `bind`, the
+        bytes that name what the lease guards (e.g. the producer request id and its block ids).
+        `from_dict` with the same key and `bind` accepts it; a party without the key can
+        neither forge a ticket nor move one to other memory (spec §7.5)."""
+        d = self.to_dict()
+        d["tag"] = auth.ticket_tag(self._tag_payload(bind))
+        return d
+
     @classmethod
-    def from_dict(cls, d: object) -> LeaseTicket:
-        """Parse transfer parameters; a malformed one raises `RemoteProtocolError`."""
+    def from_dict(cls, d: object, *, auth: FrameAuth | None = None, bind: bytes = b"") -> LeaseTicket:
+        """Parse transfer parameters; a malformed one raises `RemoteProtocolError`. With
+        `auth` (a deployment key), the ticket must carry a tag over itself and `bind`."""
         if not isinstance(d, dict):
             raise RemoteProtocolError(f"lease ticket must be a mapping, got {type(d).__name__}")
         try:
@@ -239,11 +261,10 @@ class LeaseTicket:
             raise RemoteProtocolError(f"malformed lease ticket {d!r}: {exc}") from None
         if not isinstance(engine_id, str) or not engine_id:
             raise RemoteProtocolError(f"lease ticket engine_id must be a non-empty string: {d!r}")
-        for name, v in (("incarnation", incarnation), ("lease_id", lease_id), ("ranks", ranks)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 64:
-                raise RemoteProtocolError(f"lease ticket {name} must be a uint64: {d!r}")
-        if ranks < 1:
-            raise RemoteProtocolError(f"lease ticket ranks must be >= 1: {d!r}")
+        incarnation = _u64(d, "incarnation", incarnation)
+        lease_id = _u64(d, "lease_id", lease_id)
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks < 1 << 64:
+            raise RemoteProtocolError(f"lease ticket ranks must be an integer >= 1: {d!r}")
         if kind is LeaseKind.FIXED_TTL:
             if (
                 not isinstance(deadline, int | float)
@@ -251,5 +272,29 @@ class LeaseTicket:
                 or not -MAX_TIME <= deadline <= MAX_TIME
             ):
                 raise RemoteProtocolError(f"fixed-TTL lease ticket needs a finite deadline within +-2**32 s: {d!r}")
-            return cls(engine_id, incarnation, lease_id, kind, PeerTime(float(deadline)), ranks)
-        return cls(engine_id, incarnation, lease_id, kind, None, ranks)
+            ticket = cls(engine_id, incarnation, lease_id, kind, PeerTime(float(deadline)), ranks)
+        else:
+            ticket = cls(engine_id, incarnation, lease_id, kind, None, ranks)
+        if auth is not None:
+            tag = d.get("tag")
+            if not isinstance(tag, str) or not auth.check_ticket_tag(ticket._tag_payload(bind), tag):
+                what = "carries no tag" if tag is None else "has a tag that matches no key and binding"
+                raise RemoteProtocolError(f"lease ticket of lease {lease_id} of {engine_id!r} {what}")
+        return ticket
+
+
+def _u64(d: dict[Any, Any], name: str, v: object) -> int:
+    """A ticket's 64-bit field: a decimal string (what `to_dict` writes), or an integer below
+    2**53 (exact in every JSON stack; above it one may have been rounded on the way)."""
+    if isinstance(v, str) and v.isascii() and v.isdigit() and len(v) <= 20:
+        n = int(v)
+        if n < 1 << 64:
+            return n
+    elif isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 53:
+        return v
+    elif isinstance(v, int) and not isinstance(v, bool) and 1 << 53 <= v < 1 << 64:
+        raise RemoteProtocolError(
+            f"lease ticket {name} {v} is above 2**53 as a JSON number (a router parsing numbers as "
+            f"doubles may have rounded it): it must travel as a decimal string"
+        )
+    raise RemoteProtocolError(f"lease ticket {name} must be a uint64 as a decimal string: {d!r}")

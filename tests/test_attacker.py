@@ -190,8 +190,8 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
     t_start = time.monotonic()
     with _deployment(transport, key) as (p, d, x):
         grants = _grant_and_track(p, d, "kv", fill=0x10)
-        ids = [g["ticket"]["lease_id"] for g in grants.values()]
-        inc = grants["kv-1"]["ticket"]["incarnation"]
+        ids = [int(g["ticket"]["lease_id"]) for g in grants.values()]
+        inc = int(grants["kv-1"]["ticket"]["incarnation"])
         s_d = d.ready["session"]
         assert ids == list(range(1, N + 1))  # the id scheme the attacker knows
         x.request("connect", "connected", timeout=60.0, targets={"P": p.address, "D": d.address})
@@ -328,7 +328,7 @@ def test_without_the_key_nothing_is_freed_renewed_released_or_dropped(transport:
         hold = _grant_and_track(p, d, "hold", fill=0x40)
         # Past the initial grant (duration > extension), so only heartbeats set the expiry.
         time.sleep(max(0.0, granted + CFG.kv_lease_duration - EXT + 0.2 - time.monotonic()))
-        hold_ids = [g["ticket"]["lease_id"] for g in hold.values()]
+        hold_ids = [int(g["ticket"]["lease_id"]) for g in hold.values()]
         captured = _wire(d, auth)
         old = [Heartbeat("D", 0, 1, s_d, inc, q, LocalTime(time.monotonic()), tuple(hold_ids)) for q in range(1, 6)]
         frames = [data.hex() for _, data, _ in captured] + [auth.seal(encode(m)).hex() for m in old]
@@ -386,8 +386,8 @@ def test_without_a_key_binding_refuses_every_forgery_from_another_accessor(trans
     t_start = time.monotonic()
     with _deployment(transport, None) as (p, d, x):
         grants = _grant_and_track(p, d, "kv", fill=0x10)
-        ids = [g["ticket"]["lease_id"] for g in grants.values()]
-        inc = grants["kv-1"]["ticket"]["incarnation"]
+        ids = [int(g["ticket"]["lease_id"]) for g in grants.values()]
+        inc = int(grants["kv-1"]["ticket"]["incarnation"])
         s_d = d.ready["session"]
         x.request("connect", "connected", timeout=60.0, targets={"P": p.address, "D": d.address})
         # Without a key the handshake is answered: X learns P's incarnation from the reply.
@@ -440,7 +440,7 @@ def test_without_a_key_binding_refuses_every_forgery_from_another_accessor(trans
         # frees a lease D never read, when no key is configured. The keyed test sends exactly
         # this forgery too, and there it is dropped.
         ctl = _grant_and_track(p, d, "ctl", fill=0x70, n=1)
-        ctl_id = ctl["ctl-1"]["ticket"]["lease_id"]
+        ctl_id = int(ctl["ctl-1"]["ticket"]["lease_id"])
         _attack(
             x,
             "forge",

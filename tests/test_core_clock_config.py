@@ -270,8 +270,69 @@ def test_fixed_ticket_round_trips() -> None:
         {"engine_id": "p", "incarnation": 1, "lease_id": 1, "kind": 7},
         {"engine_id": "p", "incarnation": 1, "lease_id": 1, "kind": 1},
         {"engine_id": "p", "incarnation": 1, "lease_id": 1, "kind": 1, "deadline": "soon"},
+        {"engine_id": "p", "incarnation": 2**53, "lease_id": 1},  # a JSON number may be rounded
+        {"engine_id": "p", "incarnation": "-1", "lease_id": 1},
+        {"engine_id": "p", "incarnation": "1e3", "lease_id": 1},
+        {"engine_id": "p", "incarnation": str(2**64), "lease_id": 1},
+        {"engine_id": "p", "incarnation": "١٢", "lease_id": 1},  # non-ASCII digits
     ],
 )
 def test_malformed_tickets_are_remote_errors(d: object) -> None:
     with pytest.raises(RemoteProtocolError):
         LeaseTicket.from_dict(d)
+
+
+def test_a_64_bit_incarnation_survives_a_router_that_parses_numbers_as_doubles() -> None:
+    """Issue 21.3: the ticket's 64-bit fields travel as decimal strings, so a JSON stack that
+    reads numbers as doubles (JavaScript, many proxies) cannot round them."""
+    import json
+
+    tk = LeaseTicket("prefill-0", 2**64 - 59, 2**60 + 1, ranks=2)
+    d = tk.to_dict()
+    assert d["incarnation"] == str(2**64 - 59) and d["lease_id"] == str(2**60 + 1)
+
+    def js_router(doc: dict[str, object]) -> dict[str, object]:
+        """What a JSON stack with doubles only (JavaScript, many proxies) passes on: numbers
+        read as doubles and written back as integers when integral."""
+        parsed = json.loads(json.dumps(doc), parse_int=float)
+        return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in parsed.items()}
+
+    assert LeaseTicket.from_dict(js_router(d)) == tk
+    as_number = {**d, "incarnation": tk.incarnation}  # what v2 wrote
+    assert js_router(as_number)["incarnation"] != tk.incarnation  # rounded on the way
+    with pytest.raises(RemoteProtocolError, match="decimal string"):
+        LeaseTicket.from_dict(js_router(as_number))
+    # An integer below 2**53 is exact in every stack, so it is still accepted.
+    assert LeaseTicket.from_dict({"engine_id": "p", "incarnation": 2**53 - 1, "lease_id": 3}).incarnation == 2**53 - 1
+
+
+def test_a_sealed_ticket_binds_the_memory_it_guards() -> None:
+    """Issue 21.3 / 23.3: under a deployment key a ticket carries a tag over itself and the
+    bytes naming what it guards; without the key it cannot be forged, altered, or moved to
+    another request."""
+    from kvlease import FrameAuth
+
+    auth, other = FrameAuth([b"k" * 32]), FrameAuth([b"x" * 32])
+    tk = LeaseTicket("prefill-0", 2**63 + 5, 7)
+    d = tk.sealed_dict(auth, b"req-a|1,2,3")
+    assert LeaseTicket.from_dict(d, auth=auth, bind=b"req-a|1,2,3") == tk
+    assert LeaseTicket.from_dict(d) == tk  # no key configured: the tag is not checked
+    rotated = FrameAuth([b"n" * 32, b"k" * 32])  # a rotation accepts the previous key's tag
+    assert LeaseTicket.from_dict(d, auth=rotated, bind=b"req-a|1,2,3") == tk
+    bad = [
+        (tk.to_dict(), b"req-a|1,2,3", "carries no tag"),  # unsealed
+        (d, b"req-b|1,2,3", "matches no key"),  # moved to another request's blocks
+        ({**d, "lease_id": "8"}, b"req-a|1,2,3", "matches no key"),  # altered
+        ({**d, "tag": "zz"}, b"req-a|1,2,3", "matches no key"),  # not hex
+    ]
+    for sealed, bind, why in bad:
+        with pytest.raises(RemoteProtocolError, match=why):
+            LeaseTicket.from_dict(sealed, auth=auth, bind=bind)
+    with pytest.raises(RemoteProtocolError, match="matches no key"):
+        LeaseTicket.from_dict(d, auth=other, bind=b"req-a|1,2,3")
+    from kvlease import LeaseKind
+
+    fixed = LeaseTicket("p", 1, 2, LeaseKind.FIXED_TTL, PeerTime(9.5))
+    moved = {**fixed.sealed_dict(auth, b""), "deadline": 99.5}  # a later deadline: refused
+    with pytest.raises(RemoteProtocolError):
+        LeaseTicket.from_dict(moved, auth=auth)

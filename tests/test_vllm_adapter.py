@@ -12,6 +12,8 @@ loaded for it. The scenarios run in order on the same processes (D1 is SIGKILLed
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import time
 from collections.abc import Iterator
@@ -26,7 +28,15 @@ pytestmark = pytest.mark.slow
 #: by 2D/3 = 4 s. A process stalled longer than D/2 (a loaded 2-core machine can stall one for
 #: seconds) would rightly lose its lease, so D is not shorter.
 D = 6.0
-EXTRA = {"kv_lease_duration": D, "bidirectional_kv_xfer": True}
+#: P1 and D1 share a deployment key (their frames and tickets are sealed); P1 also accepts the
+#: stock decoder D2's unauthenticated ``HB:`` / ``id:count`` (a mixed fleet, stated as such).
+KEY_ENV = "KVLEASE_TEST_DEPLOYMENT_KEY"
+EXTRA = {
+    "kv_lease_duration": D,
+    "bidirectional_kv_xfer": True,
+    "auth_keys": [f"env:{KEY_ENV}"],
+    "auth_allow_vllm_compat": True,
+}
 RHO = 1e-4  # max_drift_rate (default)
 #: Scheduling slack of a step loop on a loaded 2-core machine (steps are every ~10 ms).
 SLACK = 1.0
@@ -35,6 +45,7 @@ SLACK = 1.0
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[dict[str, Node]]:
     require_vllm_env()
+    os.environ[KEY_ENV] = secrets.token_hex(32)  # inherited by every node
     specs: dict[str, dict[str, Any]] = {
         "P1": dict(
             role="kv_producer",
@@ -100,7 +111,7 @@ def test_pull_reads_the_producers_blocks_and_frees_them(fleet: dict[str, Node]) 
     before = counters(p1)
     for rid, d in (("r1", fleet["D1"]), ("r1s", fleet["D2"])):
         params = prefill(p1, rid)
-        assert params["kvlease"]["engine_id"] == "P1" and params["kvlease"]["lease_id"] >= 1
+        assert params["kvlease"]["engine_id"] == "P1" and int(params["kvlease"]["lease_id"]) >= 1
         d.send(op="decode", id=rid, params=params)
         done = d.wait("recv_done", 90, id=rid)
         assert done["failed"] is False and done["match"] is True
@@ -264,6 +275,30 @@ def test_a_request_id_reused_in_one_step_reads_under_its_own_lease(fleet: dict[s
     drv = d1.stats()["driver"]
     assert drv["accesses_completed"] == d_before["accesses_completed"] + 1, "the READ ran under kvlease's lease"
     assert drv["leases_lost"] == d_before["leases_lost"]
+
+
+def test_a_ticket_moved_to_another_requests_params_is_refused(fleet: dict[str, Node]) -> None:
+    """Issue 21.3: under a deployment key a ticket is sealed over the producer engine, request id
+    and block ids it guards. A router (or anyone on its path, without the key) that attaches
+    request b's ticket to request a's params would have D1 read a's blocks under b's lease
+    (a's own lease may be gone, its blocks reused); an unsealed ticket likewise. D1 refuses
+    both as failed loads, and reads the genuine params."""
+    p1, d1 = fleet["P1"], fleet["D1"]
+    a, b = prefill(p1, "tkt-a"), prefill(p1, "tkt-b")
+    assert "tag" in a["kvlease"] and isinstance(a["kvlease"]["incarnation"], str)
+    unsealed = {k: v for k, v in b["kvlease"].items() if k != "tag"}
+    for rid, params in (("tkt-moved", {**a, "kvlease": b["kvlease"]}), ("tkt-unsealed", {**b, "kvlease": unsealed})):
+        d1.send(op="decode", id=rid, params=params, prefill_id="tkt-a" if rid == "tkt-moved" else "tkt-b")
+        done = d1.wait("recv_done", 60, id=rid)
+        assert done["failed"] is True and done["match"] is None, f"{rid}: read under a forged or moved ticket"
+        d1.wait("finished", 60, id=rid)  # recomputed locally
+    log = d1.log_path.read_text(errors="replace")
+    assert "matches no key" in log and "carries no tag" in log
+    for rid in ("tkt-a", "tkt-b"):  # the genuine tickets still read, and free P1's blocks
+        d1.send(op="decode", id=f"{rid}-ok", params=a if rid == "tkt-a" else b, prefill_id=rid)
+        done = d1.wait("recv_done", 60, id=f"{rid}-ok")
+        assert done["failed"] is False and done["match"] is True
+        p1.wait("freed", 30, id=rid)
 
 
 def test_decoder_killed_producer_frees_within_the_bound(fleet: dict[str, Node]) -> None:

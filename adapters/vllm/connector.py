@@ -27,12 +27,14 @@ descriptors, TP mapping, the READ); only the lease bookkeeping is replaced:
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvlease.transports import Driver, TransferFailed, new_session
+from kvlease.transports import Driver, TransferFailed, load_frame_auth, new_session
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
@@ -72,6 +74,15 @@ log = logging.getLogger("kvlease.adapters.vllm")
 TICKET_KEY = "kvlease"
 
 
+def ticket_binding(params: Mapping[str, Any]) -> bytes:
+    """What a sealed ticket guards, from the transfer parameters it travels in: the producer
+    engine, its request id and the block ids to be read. Under a deployment key the ticket's
+    tag covers these bytes, so a party on the router's path without the key can neither forge
+    a ticket nor attach one to another request's (or engine's) blocks."""
+    fields = [params.get("remote_engine_id"), params.get("remote_request_id"), params.get("remote_block_ids")]
+    return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
+
+
 def _settings_of(vllm_config: VllmConfig) -> AdapterSettings:
     ktc = vllm_config.kv_transfer_config
     return read_settings(ktc.kv_connector_extra_config if ktc is not None else None)
@@ -84,6 +95,8 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_settings = _settings_of(vllm_config)
+        # Under a deployment key tickets are sealed (bound to the blocks they guard).
+        self._kv_auth = load_frame_auth(self.kvlease_settings.lease)
         #: This producer's pinner incarnation: every worker's `Pinner` takes it from the metadata.
         self.kvlease_incarnation = secrets.randbits(64)
         self._kv_next_id = 1
@@ -106,12 +119,15 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             lease_id = self._kv_next_id
             self._kv_next_id += 1
             self._kv_grants[req_id] = lease_id
-            params[TICKET_KEY] = LeaseTicket(
-                engine_id=self.engine_id,
-                incarnation=self.kvlease_incarnation,
-                lease_id=lease_id,
-                ranks=self.transfer_tp_size,
-            ).to_dict()
+            params[TICKET_KEY] = self._kv_ticket(
+                params,
+                LeaseTicket(
+                    engine_id=self.engine_id,
+                    incarnation=self.kvlease_incarnation,
+                    lease_id=lease_id,
+                    ranks=self.transfer_tp_size,
+                ),
+            )
         elif delay and params is not None and params.get("do_remote_decode") and self.is_bidirectional_kv_xfer_enabled:
             # Bidirectional turn 1 ends on the decoder: its blocks stay for the producer's turn-2
             # READ under a fixed-TTL lease (vLLM's decoder_kv_blocks_ttl). The deadline is in
@@ -122,15 +138,23 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             deadline = time.monotonic() + float(self.decoder_kv_blocks_ttl)
             self._kv_grants[req_id] = lease_id
             self._kv_fixed[req_id] = deadline
-            params[TICKET_KEY] = LeaseTicket(
-                engine_id=self.engine_id,
-                incarnation=self.kvlease_incarnation,
-                lease_id=lease_id,
-                kind=LeaseKind.FIXED_TTL,
-                deadline=PeerTime(deadline),
-                ranks=self.transfer_tp_size,
-            ).to_dict()
+            params[TICKET_KEY] = self._kv_ticket(
+                params,
+                LeaseTicket(
+                    engine_id=self.engine_id,
+                    incarnation=self.kvlease_incarnation,
+                    lease_id=lease_id,
+                    kind=LeaseKind.FIXED_TTL,
+                    deadline=PeerTime(deadline),
+                    ranks=self.transfer_tp_size,
+                ),
+            )
         return delay, params
+
+    def _kv_ticket(self, params: dict[str, Any], ticket: LeaseTicket) -> dict[str, Any]:
+        if self._kv_auth is None:
+            return ticket.to_dict()
+        return ticket.sealed_dict(self._kv_auth, ticket_binding(params))
 
     # decoder: track from queue entry
     def on_new_request(self, request: Request) -> None:
@@ -162,6 +186,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._kv_track[request.request_id] = {
             "ticket": ticket,
             "remote_request_id": params.get("remote_request_id"),
+            "binding": ticket_binding(params).decode(),
             "host": params.get("remote_host"),
             "port": params.get("remote_port"),
             "tp_size": params.get("tp_size", 1),
@@ -257,6 +282,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_settings = _settings_of(vllm_config)
+        self._kv_auth = load_frame_auth(self.kvlease_settings.lease)
         role = vllm_config.kv_transfer_config.kv_role
         # Bidirectional KV transfer: the decoder also holds blocks (turn 1's) for the producer,
         # which also reads (turn 2): both roles on both sides.
@@ -340,7 +366,9 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         if source is not None:
             self._kv_source[req_id] = str(source)
         try:
-            ticket = LeaseTicket.from_dict(info["ticket"])
+            ticket = LeaseTicket.from_dict(
+                info["ticket"], auth=self._kv_auth, bind=str(info.get("binding", "")).encode()
+            )
         except ProtocolError as exc:
             # Not heartbeated by vLLM either (the scheduler took the kvlease path): never read it.
             log.warning("kvlease: request %s carries a malformed lease ticket (%s): its load will fail", req_id, exc)
@@ -398,6 +426,11 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             super()._read_blocks_for_req(req_id, meta)
             return None
         engine_id = meta.remote.engine_id
+        if ticket.engine_id != engine_id:
+            # The lease must be the one on the memory read: a ticket of another producer engine
+            # (params mixed up on the way) guards nothing there.
+            self._kv_refuse(req_id, f"its ticket is for engine {ticket.engine_id!r}, the READ is from {engine_id!r}")
+            return None
         if engine_id not in self._remote_agents or engine_id in self._invalid_remote_engines:
             # vLLM's handshake first (it queues the request again when done) or its failure path.
             super()._read_blocks_for_req(req_id, meta)

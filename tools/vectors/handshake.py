@@ -37,7 +37,7 @@ def pinner_restart() -> Recorder:
     old_hb = outs(r.at(1.375).step("D", "handle_timeout", note="P crashes before this arrives"), "Send")[0]
     # P2 is the restarted engine (same engine id, same clock, new incarnation).
     t2 = r.at(1.5).step("P2", "grant", key="req-2")["result"]
-    assert t2["lease_id"] == t1["lease_id"] == 1
+    assert int(t2["lease_id"]) == int(t1["lease_id"]) == 1
     ack = only(r.at(1.625).deliver("P2", old_hb, "an old-incarnation heartbeat reaches the new engine"), "Send")
     assert ack["message"]["unknown"] == [1] and ack["message"]["renewed"] == 0
     lost = only(r.at(1.875).deliver("D", ack), "LeaseLost")

@@ -161,7 +161,7 @@ def bounds() -> Recorder:
     assert r.at(3.75).step("D", "begin_access", key="k4")["result"]["valid_until"] is None
     r.at(3.75).step("D", "access_failed", key="k4", posted=False)
     t5 = r.at(4.0).step("P", "grant", key="req-5", expected=2)["result"]
-    one = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0107, 0, t5["lease_id"], 1, False, LocalTime(1238.0))
+    one = AccessDone("decode-0", 0, 1, 0xACCE55, 0x5EED0107, 0, int(t5["lease_id"]), 1, False, LocalTime(1238.0))
     assert only(r.at(4.0).step("P", "receive", hex=encode(one).hex(), note="granted for 2 accessor ranks"), "Rejected")
     return r
 
@@ -288,20 +288,20 @@ def early_heartbeat() -> Recorder:
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     hs = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
     connect(r, "D", "P", hs, 0.125)
-    early = {**t1, "lease_id": 2}
+    early = {**t1, "lease_id": "2"}
     r.at(0.3).step("D", "track", key="k2", ticket=early, note="the ticket of lease 2, not granted yet")
     hb = outs(r.at(0.375).step("D", "handle_timeout"), "Send")
     assert len(hb) == 1 and hb[0]["message"]["lease_ids"] == [1, 2]
     held = r.at(0.5).deliver("P", hb[0], "names lease 2, at the next id: held, no ack")
     assert held["outputs"] == [] and r.next_work("P") == r.local("P", 1.5)
-    assert r.at(0.75).step("P", "grant", key="req-2")["result"]["lease_id"] == 2
+    assert r.at(0.75).step("P", "grant", key="req-2")["result"]["lease_id"] == "2"
     ack = only(r.at(0.75).step("P", "handle_timeout", note="lease 2 granted: the held heartbeat answered"), "Send")
     assert ack["message"]["renewed"] == 2 and ack["message"]["unknown"] == []
     assert r.at(0.875).deliver("D", ack)["outputs"] == []
     dec = r.at(1.0).step("D", "begin_access", key="k2")["result"]
     assert dec["guaranteed"]
     r.at(1.0).step("D", "access_finished", key="k2", notified=False)
-    ghost = {**t1, "lease_id": 9}
+    ghost = {**t1, "lease_id": "9"}
     r.at(1.0).step("D", "track", key="k9", ticket=ghost, note="lease 9: never granted in time")
     hb9 = outs(r.at(1.0).step("D", "handle_timeout"), "Send")
     assert len(hb9) == 1 and hb9[0]["message"]["lease_ids"] == [9]

@@ -273,7 +273,7 @@ def expiry_edges() -> Recorder:
     )
     t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
     t2 = r.at(0.0).step("P", "grant", key="req-2", lease_id=51)["result"]
-    ghost = {**t1, "lease_id": 50}  # below the next id (52) and never granted: unknown at once
+    ghost = {**t1, "lease_id": "50"}  # below the next id (52) and never granted: unknown at once
     hs = only(r.at(0.0).step("D", "track", key="k1", ticket=t1), "HandshakeNeeded")
     r.at(0.0).step("D", "track", key="k2", ticket=t2)
     r.at(0.0).step("D", "track", key="ghost", ticket=ghost, note="a ticket for an id the pinner never granted")

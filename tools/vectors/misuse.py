@@ -63,7 +63,7 @@ def rejections_and_misuse() -> Recorder:
     rej = r.at(1.0).step("P", "receive", hex=encode(bogus).hex(), note="rank 3 of a 2-rank engine")
     assert only(rej, "Rejected")
     t2 = r.at(1.0).step("P", "grant", key="req-2", expected=2)["result"]
-    one = AccessDone("decode-0", 0, 1, 0xD, 0x5EED000E, 0, t2["lease_id"], 1, False, LocalTime(61.0))
+    one = AccessDone("decode-0", 0, 1, 0xD, 0x5EED000E, 0, int(t2["lease_id"]), 1, False, LocalTime(61.0))
     rej = r.at(1.0).step(
         "P", "receive", hex=encode(one).hex(), note="granted with expected=2; a 1-rank accessor's layout says 1"
     )
