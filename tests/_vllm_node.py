@@ -93,9 +93,10 @@ def main() -> None:
         )
     extra = json.loads(args.extra)
     if args.connector == "kvlease":
-        conn, module = "KvleaseNixlConnector", "kvlease.adapters.vllm"
+        # vLLM's own name, from kvlease's module: vLLM's name-keyed NIXL checks apply.
+        conn, module = "NixlConnector", "kvlease.adapters.vllm"
     elif args.connector == "kvlease-push":
-        conn, module = "KvleaseNixlPushConnector", "kvlease.adapters.vllm"
+        conn, module = "NixlPushConnector", "kvlease.adapters.vllm"
     elif args.connector == "stock-push":
         conn, module = "NixlPushConnector", None
     else:

@@ -317,3 +317,66 @@ def test_decoder_killed_producer_frees_within_the_bound(fleet: dict[str, Node]) 
     lower = D / 2
     print(f"free after decoder SIGKILL: {delay:.3f} s (bound [{lower:.3f}, {upper:.3f}] s + {SLACK} s slack)")
     assert lower - SLACK <= delay <= upper + SLACK
+
+
+_PARITY = """
+import json, os, sys
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+name, module, model = sys.argv[1], sys.argv[2] or None, sys.argv[3]
+os.environ.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
+ktc = KVTransferConfig(kv_connector=name, kv_connector_module_path=module, kv_role="kv_producer")
+mc = ModelConfig(model=model, tokenizer=model, skip_tokenizer_init=True, max_model_len=2048, dtype="float32")
+VllmConfig(
+    model_config=mc,
+    scheduler_config=SchedulerConfig(max_model_len=2048, max_num_batched_tokens=2048, is_encoder_decoder=False),
+    cache_config=CacheConfig(block_size=16),
+    device_config=DeviceConfig("cpu"),
+    kv_transfer_config=ktc,
+)
+cls = KVConnectorFactory.get_connector_class(ktc)
+print("PARITY " + json.dumps({
+    "class": cls.__module__ + "." + cls.__qualname__,
+    "has_nixl_name": ktc.has_connector("NixlConnector") or ktc.has_connector("NixlPushConnector"),
+    "cpu_mamba_layout": os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT"),
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "module", "kvlease_class"),
+    [
+        ("NixlConnector", "", None),  # stock vLLM: the reference behaviour
+        ("NixlConnector", "kvlease.adapters.vllm", "KvleaseNixlConnector"),
+        ("NixlPushConnector", "kvlease.adapters.vllm", "KvleaseNixlPushConnector"),
+        ("KvleaseNixlConnector", "kvlease.adapters.vllm", "KvleaseNixlConnector"),  # the old name
+    ],
+)
+def test_vllms_name_keyed_nixl_checks_apply_to_kvlease(name: str, module: str, kvlease_class: str | None) -> None:
+    """Issue 21: vLLM special-cases its NIXL connector by name (config/vllm.py, platforms/cpu.py,
+    model checks). Loaded as "NixlConnector" from kvlease's module, vLLM's factory builds
+    kvlease's class and vLLM's NIXL checks see the NIXL name — here the CPU platform's choice of
+    the DS Mamba conv-state layout NIXL's descriptors need, observable on this machine; under
+    the class's own name vLLM skips it (what an operator using that name loses, and is warned
+    of)."""
+    import json
+    import subprocess
+
+    from _vllm_helpers import MODEL, VENV_PY
+
+    require_vllm_env()
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}  # vLLM's CPU platform, where this check lives
+    out = subprocess.run(
+        [str(VENV_PY), "-c", _PARITY, name, module, str(MODEL)], capture_output=True, text=True, timeout=240, env=env
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PARITY ")]
+    assert out.returncode == 0 and lines, out.stderr[-2000:]
+    got = json.loads(lines[0][len("PARITY ") :])
+    if kvlease_class is None:
+        assert got["class"].startswith("vllm.") and got["cpu_mamba_layout"] == "DS"
+    elif name.startswith("Nixl"):
+        assert got["class"].endswith(kvlease_class) and got["has_nixl_name"] is True
+        assert got["cpu_mamba_layout"] == "DS", "vLLM's NIXL check applied to kvlease's connector"
+    else:
+        assert got["class"].endswith(kvlease_class) and got["has_nixl_name"] is False
+        assert got["cpu_mamba_layout"] != "DS"

@@ -83,6 +83,21 @@ def ticket_binding(params: Mapping[str, Any]) -> bytes:
     return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
 
+def warn_if_unnamed(vllm_config: VllmConfig, vllm_name: str, role: KVConnectorRole) -> None:
+    """vLLM keys several NIXL checks on the connector's name (DCP validation, interleave
+    alignment, ``--enable-return-routed-experts``, the CPU Mamba layout): loaded under another
+    name, kvlease would silently lose them. Say so once, at start-up, naming the fix."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc is not None and not ktc.has_connector(vllm_name) and role == KVConnectorRole.SCHEDULER:
+        log.warning(
+            "kvlease: loaded as kv_connector %r: vLLM skips the checks it keys on the name %r. Use "
+            '"kv_connector": "%s" with "kv_connector_module_path": "kvlease.adapters.vllm" (same class)',
+            ktc.kv_connector,
+            vllm_name,
+            vllm_name,
+        )
+
+
 def _settings_of(vllm_config: VllmConfig) -> AdapterSettings:
     ktc = vllm_config.kv_transfer_config
     return read_settings(ktc.kv_connector_extra_config if ktc is not None else None)
@@ -580,6 +595,7 @@ class KvleaseNixlConnector(_KvleaseMetrics, NixlPullConnector):  # type: ignore[
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # Settings first: a bad value fails here, naming the key, before anything starts.
         _settings_of(vllm_config)
+        warn_if_unnamed(vllm_config, "NixlConnector", role)
         # NixlPullConnector.__init__ would build vLLM's own scheduler or worker (a worker owns a
         # NIXL agent): skip to the base, which sets up what both modes share.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)

@@ -102,7 +102,7 @@ from kvlease import (
 from ._metrics import KVLEASE_COUNTERS, PUSH_COUNTERS, KvleaseConnectorStats
 from ._settings import AdapterSettings, read_settings
 from ._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
-from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase
+from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase, warn_if_unnamed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -687,6 +687,7 @@ class KvleaseNixlPushConnector(_KvleaseMetrics, NixlPushConnector):  # type: ign
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         _settings_of(vllm_config)  # a bad value fails here, naming the key
+        warn_if_unnamed(vllm_config, "NixlPushConnector", role)
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
         # NixlPushConnector.__init__ would build vLLM's own scheduler or worker: skip to the base.
