@@ -78,6 +78,7 @@ class Node:
         env = dict(os.environ)
         env.update(
             VLLM_TARGET_DEVICE="cpu",
+            VLLM_LOGGING_STREAM="ext://sys.stderr",  # vLLM's (and kvlease's) log lines to the log file
             HF_HUB_OFFLINE="1",
             UCX_NET_DEVICES="lo",
             VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",

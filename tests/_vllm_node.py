@@ -50,6 +50,9 @@ def main() -> None:
 
     import attrs
     import torch
+
+    # As every vLLM process does at start (vllm serve's engine core, its workers).
+    import vllm.logger
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -74,6 +77,7 @@ def main() -> None:
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    vllm.logger._configure_vllm_root_logger()
     if os.environ.get("KVT_DEBUG"):
         import logging
 

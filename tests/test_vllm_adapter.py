@@ -54,7 +54,11 @@ def fleet() -> Iterator[dict[str, Node]]:
             bad_config={"kv_lease_duration": D, "validity_margin": -1},
         ),
         "D1": dict(
-            role="kv_consumer", connector="kvlease", extra=EXTRA, max_num_seqs=1, bad_config={"kvlease_engine_tll": 5}
+            role="kv_consumer",
+            connector="kvlease",
+            extra={**EXTRA, "kv_lease_durration": 9},  # a typo: named at start-up, ignored
+            max_num_seqs=1,
+            bad_config={"kvlease_engine_tll": 5},
         ),
         "P2": dict(role="kv_producer", connector="stock", extra={"kv_lease_duration": int(D)}),
         "D2": dict(role="kv_consumer", connector="stock", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
@@ -99,6 +103,19 @@ def test_bad_extra_config_fails_at_build_naming_the_key(fleet: dict[str, Node]) 
     assert err is not None and "ConfigError" in err and "validity_margin" in err
     err = fleet["D1"].wait("bad_config")["error"]
     assert err is not None and "kvlease_engine_tll" in err
+
+
+def test_start_up_names_an_unread_key_in_vllms_log_format(fleet: dict[str, Node]) -> None:
+    """Issue 21 (operations): an extra-config key nobody reads is named, with the key it was
+    probably meant to be; kvlease's lines come out through vLLM's logging (its format: level,
+    date, [file:line]), not bare."""
+    import re
+
+    log = fleet["D1"].log_path.read_text(errors="replace")
+    line = next((ln for ln in log.splitlines() if "nobody reads" in ln), None)
+    assert line is not None and "'kv_lease_durration' (did you mean 'kv_lease_duration'?)" in line
+    assert re.search(r"WARNING \d\d-\d\d \d\d:\d\d:\d\d \[connector\.py:\d+\] kvlease:", line), line
+    assert "nobody reads" not in fleet["P1"].log_path.read_text(errors="replace")
 
 
 def test_pull_reads_the_producers_blocks_and_frees_them(fleet: dict[str, Node]) -> None:

@@ -8,6 +8,7 @@ unknown ``kvlease_*`` key, raises `ConfigError` naming the key when the connecto
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -16,7 +17,7 @@ import attrs
 
 from kvlease import ConfigError, LeaseConfig
 
-__all__ = ["ADAPTER_KEYS", "LEASE_KEYS", "AdapterSettings", "read_settings"]
+__all__ = ["ADAPTER_KEYS", "LEASE_KEYS", "VLLM_KEYS", "AdapterSettings", "read_settings", "unknown_keys"]
 
 #: `LeaseConfig` fields readable from the extra config, under the same names.
 LEASE_KEYS = (
@@ -45,6 +46,33 @@ ADAPTER_KEYS = (
     # bound plus a heartbeat interval).
     "kvlease_transfer_timeout",
 )
+
+
+#: Keys vLLM 0.33.0's NIXL connectors read from the same extra config (not kvlease's).
+VLLM_KEYS = (
+    "backends",
+    "bidirectional_kv_xfer",
+    "connectors",
+    "enforce_handshake_compat",
+    "engine_ttl",
+    "kv_recompute_threshold",
+    "num_threads",
+    "push_registration_timeout",
+)
+
+
+def unknown_keys(extra: Mapping[str, Any] | None) -> list[str]:
+    """Keys of ``kv_connector_extra_config`` that neither kvlease nor vLLM's NIXL connector
+    reads, each with the closest known key when there is one (a typo such as
+    ``kv_lease_durration`` would otherwise be silently ignored, leaving the default)."""
+    known = (*LEASE_KEYS, *ADAPTER_KEYS, *VLLM_KEYS)
+    out = []
+    for key in extra or {}:
+        if key in known or key.startswith("kvlease_"):  # kvlease_* typos are errors already
+            continue
+        close = difflib.get_close_matches(str(key), known, n=1)
+        out.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return out
 
 
 @attrs.frozen

@@ -58,7 +58,7 @@ from kvlease import (
 )
 
 from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
-from ._settings import AdapterSettings, read_settings
+from ._settings import AdapterSettings, read_settings, unknown_keys
 from ._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
 
 if TYPE_CHECKING:
@@ -83,12 +83,40 @@ def ticket_binding(params: Mapping[str, Any]) -> bytes:
     return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
 
+def _route_logs_through_vllm() -> None:
+    """kvlease's loggers write where vLLM's do, in vLLM's format (vLLM configures only its
+    own ``vllm`` logger, so without this kvlease's INFO lines were dropped and its warnings
+    came out bare). An operator who configured the ``kvlease`` logger keeps that."""
+    ours, theirs = logging.getLogger("kvlease"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
 def warn_if_unnamed(vllm_config: VllmConfig, vllm_name: str, role: KVConnectorRole) -> None:
-    """vLLM keys several NIXL checks on the connector's name (DCP validation, interleave
-    alignment, ``--enable-return-routed-experts``, the CPU Mamba layout): loaded under another
-    name, kvlease would silently lose them. Say so once, at start-up, naming the fix."""
+    """Start-up warnings, once per engine (scheduler side). vLLM keys several NIXL checks on the
+    connector's name (DCP validation, interleave alignment, ``--enable-return-routed-experts``,
+    the CPU Mamba layout): loaded under another name, kvlease would silently lose them. An
+    extra-config key nobody reads is named (a typo would leave the default). A decoder whose
+    ``kv_load_failure_policy`` is ``"fail"`` turns every read kvlease refuses into a client error."""
+    # Each vLLM process configures its logging when it starts, before it builds connectors.
+    _route_logs_through_vllm()
     ktc = vllm_config.kv_transfer_config
-    if ktc is not None and not ktc.has_connector(vllm_name) and role == KVConnectorRole.SCHEDULER:
+    if ktc is None or role != KVConnectorRole.SCHEDULER:
+        return
+    unknown = unknown_keys(ktc.kv_connector_extra_config)
+    if unknown:
+        log.warning("kvlease: kv_connector_extra_config keys nobody reads (ignored): %s", ", ".join(unknown))
+    policy = getattr(ktc, "kv_load_failure_policy", None)
+    if ktc.kv_role in ("kv_consumer", "kv_both") and policy == "fail":
+        log.warning(
+            "kvlease: kv_load_failure_policy is 'fail': a KV read kvlease refuses (lease lost, read "
+            "stale) fails the request with an error; 'recompute' recomputes the prompt instead"
+        )
+    if not ktc.has_connector(vllm_name):
         log.warning(
             "kvlease: loaded as kv_connector %r: vLLM skips the checks it keys on the name %r. Use "
             '"kv_connector": "%s" with "kv_connector_module_path": "kvlease.adapters.vllm" (same class)',
