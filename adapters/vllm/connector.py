@@ -242,6 +242,9 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         meta = super().build_connector_meta(scheduler_output)
         meta.kvlease = {
             "incarnation": self.kvlease_incarnation,
+            # The scheduler's clock when the metadata left: fixed-TTL deadlines cross to the
+            # workers as what is left of them, since a worker may run on another host.
+            "sched_now": time.monotonic(),
             "grants": self._kv_grants,
             "fixed": self._kv_fixed,
             "track": self._kv_track,
@@ -399,8 +402,14 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                 if deadline is None:
                     driver.grant(req_id, lease_id=lease_id)
                 else:
-                    # The scheduler's deadline, in the same monotonic clock the driver reads.
-                    ttl = max(float(deadline) - float(driver.now()), 1e-3)
+                    # What is left of the scheduler's deadline when the metadata left it, from
+                    # this worker's own clock: never shorter than the ticket's deadline in real
+                    # time (the metadata's latency only lengthens it), whatever this host's clock
+                    # epoch (multi-node TP). The reader converts the deadline with rank 0's
+                    # clock samples, so rank 0 must share the scheduler's clock (its host).
+                    sched_now = kv.get("sched_now")
+                    left = float(deadline) - (float(sched_now) if sched_now is not None else float(driver.now()))
+                    ttl = max(left, 1e-3)
                     driver.grant(req_id, lease_id=lease_id, kind=LeaseKind.FIXED_TTL, ttl=ttl)
                 self._kv_granted.add(req_id)
 
