@@ -95,14 +95,14 @@ def explore(
     accessor_cls: Callable[..., Accessor] = Accessor,
     *,
     max_states: int | None = None,
-    progress: Callable[[CheckResult, int], None] | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> CheckResult:
     """Every schedule of up to `scope.depth` actions from each initial world (one per choice
     of clock rates), breadth-first; stops at the first violation (a shortest one).
 
-    `progress`, when given, is called with the result so far and the depth being explored
-    every `PROGRESS_EVERY` transitions and at the end of each depth (the caller decides when to
-    show it: the explorer reads no clock)."""
+    `progress`, when given, is called with the depth being explored and the states and
+    transitions so far, every `PROGRESS_EVERY` transitions and at the end of each depth (the
+    caller decides when to show it: the explorer reads no clock). It changes no result."""
     result = CheckResult(scope)
     parents: dict[bytes, tuple[bytes | None, Action | None]] = {}
     roots: dict[bytes, tuple[float, ...]] = {}
@@ -143,8 +143,7 @@ def explore(
                 w = store.thaw(frozen)
                 result.transitions += 1
                 if progress is not None and result.transitions % PROGRESS_EVERY == 0:
-                    result.states = len(parents)
-                    progress(result, depth)
+                    progress(depth, len(parents), result.transitions)
                 try:
                     w.apply(action)
                 except Violation as v:
@@ -168,7 +167,7 @@ def explore(
         result.per_depth.append(len(nxt))
         result.depth_reached = depth
         if progress is not None:
-            progress(result, depth)
+            progress(depth, result.states, result.transitions)
         frontier = nxt
         if not frontier:
             result.exhausted = True

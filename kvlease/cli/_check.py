@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ..check import BUG_HINTS, CHECK_BUGS, KINDS, CheckResult, Scope, explore, to_vector
+from ..check import BUG_HINTS, CHECK_BUGS, KINDS, Scope, explore, to_vector
 from ..check._world import CHECK_CONFIG
 from ._params import Number
 
@@ -56,13 +56,13 @@ class _Progress:
         self.every = every
         self.started = self.last = time.monotonic()
 
-    def __call__(self, result: CheckResult, depth: int) -> None:
+    def __call__(self, depth: int, states: int, transitions: int) -> None:
         now = time.monotonic()
         if now - self.last < self.every:
             return
         self.last = now
         click.echo(
-            f"check: depth {depth}/{self.depth}, {result.states:,} states, {result.transitions:,} transitions, "
+            f"check: depth {depth}/{self.depth}, {states:,} states, {transitions:,} transitions, "
             f"{now - self.started:.0f} s",
             err=True,
         )
