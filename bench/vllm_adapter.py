@@ -32,10 +32,16 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-from kvlease.adapters.vllm._transport import ConnectorTransport
-from kvlease.transports import Driver
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+try:
+    from kvlease.adapters.vllm._transport import ConnectorTransport
+    from kvlease.transports import Driver
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+except ImportError as exc:  # one line for a person, not a traceback: where it does run
+    sys.exit(
+        f"bench/vllm_adapter.py needs vLLM ({exc}): run it in vLLM's environment, "
+        "'.venv-vllm/bin/python -m kvlease bench vllm_adapter' (bash dev.sh test creates .venv-vllm)"
+    )
 
 from kvlease import Heartbeat, LeaseConfig, LocalTime, Pinner, encode, split_ids
 from kvlease._codec import heartbeat_id_budget

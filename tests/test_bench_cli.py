@@ -39,3 +39,16 @@ def test_bench_list_names_every_script_with_its_run_time() -> None:
     for name in SCRIPTS:
         line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
         assert "run time: about" in line, line
+
+
+def test_each_benchmark_entry_is_whole_sentences() -> None:
+    # A docstring's first line can stop mid-sentence, and an "i.e." inside the run time's
+    # parentheses once cut it short: each entry is the whole first paragraph and run time.
+    out = _kvlease("bench", "--list")
+    for name in SCRIPTS:
+        line = next(ln for ln in out.splitlines() if ln.startswith(name + " "))
+        summary, run_time = line[len(name) :].strip().split(" (run time: ")
+        assert summary.endswith("."), line
+        assert run_time.endswith(")") and run_time[:-1].count("(") == run_time[:-1].count(")"), line
+    core = next(ln for ln in out.splitlines() if ln.startswith("core "))
+    assert "--sizes 1000,100000: about 10 s)" in core, core

@@ -335,3 +335,16 @@ def test_cli_finds_a_v3_hole_with_its_hinted_scope_and_hints_it_otherwise(bug: s
     if bug != "no-ack-budget":  # found in every scope: the forged heartbeat is one action
         missed = runner.invoke(main, ["check", "--inject-bug", bug, "--depth", "2"])
         assert missed.exit_code == 0 and f"--inject-bug {bug} {BUG_HINTS[bug]}" in missed.output, missed.output
+
+
+def test_progress_reports_each_depth_and_changes_no_result() -> None:
+    scope = Scope(depth=6, without=frozenset({"drop", "cross"}))
+    seen: list[tuple[int, int, int]] = []
+    with_progress = explore(scope, progress=lambda *counts: seen.append(counts))
+    plain = explore(scope)
+    assert attrs.asdict(with_progress) == attrs.asdict(plain)
+    assert plain.transitions > 2048  # so that mid-depth reports happen too
+    assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
+    ends = {d: (states, transitions) for d, states, transitions in seen}
+    assert sorted(ends) == list(range(1, 7)) and ends[6] == (plain.states, plain.transitions)
+    assert len(seen) > 6

@@ -99,3 +99,17 @@ def test_demo_single_scenario_and_exit_status() -> None:
     out = run_demo("--scenario", "happy", "--requests", "3")
     assert [s["scenario"] for s in out["scenarios"]] == ["happy"]
     assert out["scenarios"][0]["figures"]["reads_valid"] == 3
+    # Counts are JSON objects, not a Python dict's repr in a string.
+    claims = {c["name"]: c for c in out["scenarios"][0]["claims"]}
+    assert claims["freed on access-done"]["detail"] == {"access_done": 3}
+
+
+def test_demo_piped_says_which_scenario_runs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlease", "demo", "--scenario", "happy", "--requests", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "demo: scenario 1/1: happy" in proc.stderr and "Traceback" not in proc.stderr

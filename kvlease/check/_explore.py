@@ -64,6 +64,10 @@ class CheckResult:
     truncated: bool = False
 
 
+#: Transitions between two calls of `explore`'s `progress` (a few per second at these speeds).
+PROGRESS_EVERY = 2048
+
+
 def _digest(world: World) -> bytes:
     return hashlib.blake2b(pickle.dumps(world.fingerprint(), protocol=5), digest_size=16).digest()
 
@@ -91,9 +95,14 @@ def explore(
     accessor_cls: Callable[..., Accessor] = Accessor,
     *,
     max_states: int | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> CheckResult:
     """Every schedule of up to `scope.depth` actions from each initial world (one per choice
-    of clock rates), breadth-first; stops at the first violation (a shortest one)."""
+    of clock rates), breadth-first; stops at the first violation (a shortest one).
+
+    `progress`, when given, is called with the depth being explored and the states and
+    transitions so far, every `PROGRESS_EVERY` transitions and at the end of each depth (the
+    caller decides when to show it: the explorer reads no clock). It changes no result."""
     result = CheckResult(scope)
     parents: dict[bytes, tuple[bytes | None, Action | None]] = {}
     roots: dict[bytes, tuple[float, ...]] = {}
@@ -133,6 +142,8 @@ def explore(
             for action in parent.actions():
                 w = store.thaw(frozen)
                 result.transitions += 1
+                if progress is not None and result.transitions % PROGRESS_EVERY == 0:
+                    progress(depth, len(parents), result.transitions)
                 try:
                     w.apply(action)
                 except Violation as v:
@@ -155,6 +166,8 @@ def explore(
         result.states = len(parents)
         result.per_depth.append(len(nxt))
         result.depth_reached = depth
+        if progress is not None:
+            progress(depth, result.states, result.transitions)
         frontier = nxt
         if not frontier:
             result.exhausted = True

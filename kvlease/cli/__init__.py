@@ -30,7 +30,11 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
         "conformance",
         "Replay the conformance vectors against the core or an external driver.",
     ),
-    "bench": ("kvlease.cli._bench", "bench", "Run the benchmarks in bench/ and print their tables."),
+    "bench": (
+        "kvlease.cli._bench",
+        "bench",
+        "Run the benchmarks in bench/ of a source checkout (not installed) and print their tables.",
+    ),
     "sim": ("kvlease.cli._sim", "sim", "Simulate a P/D cluster: policy comparison, plots, fault campaign."),
     "version": ("kvlease.cli._version", "version", "Print the kvlease and protocol versions."),
 }

@@ -23,13 +23,19 @@ __all__ = ["bench"]
 _QUICK_ARGS: dict[str, list[str]] = {"core": ["--sizes", "1000,100000"]}
 
 
+_FROM_CHECKOUT = "'python -m kvlease bench' in the root of a kvlease checkout (git clone, then .venv/bin/python)"
+
+
 def _bench_dir(explicit: Path | None) -> Path:
     candidates = [explicit] if explicit else [Path(__file__).resolve().parents[2] / "bench", Path.cwd() / "bench"]
     for c in candidates:
         if c is not None and c.is_dir() and any(c.glob("*.py")):
             return c
     where = ", ".join(str(c) for c in candidates if c is not None)
-    raise click.UsageError(f"no benchmark scripts found (looked in {where}); run from a kvlease checkout or pass --dir")
+    raise click.UsageError(
+        f"no benchmark scripts in {where}: the benchmarks are not installed with kvlease, they live in bench/ of "
+        f"a source checkout; run {_FROM_CHECKOUT}, or pass --dir CHECKOUT/bench"
+    )
 
 
 def _scripts(directory: Path) -> dict[str, Path]:
@@ -37,17 +43,20 @@ def _scripts(directory: Path) -> dict[str, Path]:
 
 
 def _summary(path: Path) -> str:
-    """The first line of the script's module docstring."""
+    """The first paragraph of the script's module docstring, on one line (a sentence may run
+    over several lines: the first line alone can stop mid-sentence)."""
     text = path.read_text(encoding="utf-8", errors="replace")
     for quote in ('"""', "'''"):
         start = text.find(quote)
         if start != -1:
-            body = text[start + 3 :].strip()
-            return body.splitlines()[0].strip() if body else ""
+            body = text[start + 3 :].split(quote, 1)[0].strip()
+            return " ".join(body.split("\n\n", 1)[0].split())
     return ""
 
 
-_RUN_TIME = re.compile(r"Run time:\s*(.+?)\.(?:\s|$)", re.S)
+#: The ``Run time: ...`` sentence: up to the first full stop outside parentheses (so that an
+#: ``i.e.`` inside them does not end it).
+_RUN_TIME = re.compile(r"Run time:\s*((?:[^.()]|\([^()]*\))+)\.", re.S)
 
 
 def _run_time(path: Path) -> str:
@@ -84,15 +93,19 @@ def _quick_args(name: str, path: Path) -> list[str] | None:
 @click.option(
     "--dir",
     "directory",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
-    help="Directory holding the benchmark scripts (default: bench/ of the checkout).",
+    help="Directory holding the benchmark scripts (default: bench/ of the source checkout).",
 )
 @click.option("--arg", "extra", multiple=True, help="Extra argument passed to every script (repeatable).")
 def bench(names: tuple[str, ...], list_only: bool, quick: bool, directory: Path | None, extra: tuple[str, ...]) -> None:
     """Run the benchmarks in bench/ (all, or the NAMES given). They print figures, with the
     baseline they replace in the same run where there is one; none asserts on speed. Each
-    prints its own run time when it ends; roughly how long each takes is listed below."""
+    prints its own run time when it ends; roughly how long each takes is listed below.
+
+    The benchmarks are not installed with kvlease: run this in a source checkout (or pass
+    --dir CHECKOUT/bench). vllm_adapter needs vLLM: run it with vLLM's environment,
+    .venv-vllm/bin/python -m kvlease bench vllm_adapter."""
     found = _scripts(_bench_dir(directory))
     if list_only:
         for name, path in found.items():

@@ -15,6 +15,7 @@ import click
 
 from ..check import BUG_HINTS, CHECK_BUGS, KINDS, Scope, explore, to_vector
 from ..check._world import CHECK_CONFIG
+from ._params import Number
 
 __all__ = ["check"]
 
@@ -40,17 +41,60 @@ _FAMILIES = (
 )
 
 
-def _ranks(value: int) -> int:
+def _ranks(ctx: click.Context, param: click.Parameter, value: int) -> int:
     if value not in (1, 2, 4):
-        raise click.BadParameter("must be 1, 2 or 4")
+        raise click.BadParameter(f"must be 1, 2 or 4, got {value}")
     return value
 
 
+class _Progress:
+    """A line on stderr at most every `every` seconds, terminal or not (a deep scope runs for
+    minutes): the depth being explored, states and transitions so far."""
+
+    def __init__(self, depth: int, every: float) -> None:
+        self.depth = depth
+        self.every = every
+        self.started = self.last = time.monotonic()
+
+    def __call__(self, depth: int, states: int, transitions: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        click.echo(
+            f"check: depth {depth}/{self.depth}, {states:,} states, {transitions:,} transitions, "
+            f"{now - self.started:.0f} s",
+            err=True,
+        )
+
+
 @click.command()
-@click.option("--pinner-ranks", "-p", type=int, default=1, show_default=True, callback=lambda c, p, v: _ranks(v))
-@click.option("--accessor-ranks", "-a", type=int, default=1, show_default=True, callback=lambda c, p, v: _ranks(v))
+@click.option(
+    "--pinner-ranks",
+    "-p",
+    type=int,
+    default=1,
+    show_default=True,
+    callback=_ranks,
+    help="Tensor-parallel ranks of the pinner engine: 1, 2 or 4.",
+)
+@click.option(
+    "--accessor-ranks",
+    "-a",
+    type=int,
+    default=1,
+    show_default=True,
+    callback=_ranks,
+    help="Tensor-parallel ranks of each accessor engine: 1, 2 or 4 (one of -p / -a divides the other).",
+)
 @click.option("--engines", type=click.IntRange(1, 2), default=1, show_default=True, help="Accessor engines.")
-@click.option("--leases", type=click.IntRange(1, 3), default=1, show_default=True)
+@click.option(
+    "--leases",
+    type=click.IntRange(1, 3),
+    default=1,
+    show_default=True,
+    help="At most this many leases granted per schedule.",
+)
 @click.option("--kinds", default="renewable", show_default=True, help=f"Comma-separated, of {', '.join(KINDS)}.")
 @click.option("--depth", type=click.IntRange(1, 64), default=8, show_default=True, help="Actions per schedule.")
 @click.option(
@@ -75,7 +119,7 @@ def _ranks(value: int) -> int:
 )
 @click.option(
     "--accessor-lease",
-    type=click.FloatRange(0.0, 86400.0, min_open=True),
+    type=Number(0.0, 86400.0, min_open=True),
     default=None,
     help="The accessors' own kv_lease_duration (the two sides configured apart); default: the pinner's 6 s.",
 )
@@ -91,7 +135,7 @@ def _ranks(value: int) -> int:
     default=None,
     help="Run against a core with one fix switched off (v1 holes: a v2 fix; v3 holes: a v3 fix).",
 )
-@click.option("--max-states", type=int, default=None, help="Stop after this many states (a lower bound).")
+@click.option("--max-states", type=click.IntRange(1), default=None, help="Stop after this many states (a lower bound).")
 @click.option(
     "--out",
     "out_dir",
@@ -100,6 +144,14 @@ def _ranks(value: int) -> int:
     help="Write a violation as a conformance-vector candidate in this directory.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--progress-every",
+    type=Number(0.0, 3600.0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between progress lines on stderr (depth, states so far), piped or not; "
+    "0: at each depth and every few thousand transitions.",
+)
 def check(
     pinner_ranks: int,
     accessor_ranks: int,
@@ -116,17 +168,27 @@ def check(
     max_states: int | None,
     out_dir: Path | None,
     as_json: bool,
+    progress_every: float,
 ) -> None:
     """Explore every schedule of the real core up to --depth actions; exit 1 on a violation."""
     if pinner_ranks % accessor_ranks and accessor_ranks % pinner_ranks:
-        raise click.BadParameter("one of --pinner-ranks / --accessor-ranks must divide the other")
+        raise click.BadParameter(
+            f"one of --pinner-ranks ({pinner_ranks}) / --accessor-ranks ({accessor_ranks}) must divide the other",
+            param_hint="'--pinner-ranks' / '--accessor-ranks'",
+        )
     kind_list = tuple(k.strip() for k in kinds.split(",") if k.strip())
     bad = [k for k in kind_list if k not in KINDS]
     if bad or not kind_list:
-        raise click.BadParameter(f"unknown kinds {bad}; choose from {KINDS}")
+        raise click.BadParameter(
+            f"unknown kinds {', '.join(bad) or '(none given)'}; choose from {', '.join(KINDS)}", param_hint="'--kinds'"
+        )
     left_out = frozenset() if without in ("", "none") else frozenset(w.strip() for w in without.split(","))
     if left_out - set(_FAMILIES):
-        raise click.BadParameter(f"unknown action families {sorted(left_out - set(_FAMILIES))}")
+        raise click.BadParameter(
+            f"unknown action families {', '.join(sorted(left_out - set(_FAMILIES)))}; choose from "
+            f"{', '.join(_FAMILIES)}, or 'none'",
+            param_hint="'--without'",
+        )
     config = (
         CHECK_CONFIG
         if max_outstanding is None
@@ -148,7 +210,12 @@ def check(
     )
     pinner_cls, accessor_cls, hole = CHECK_BUGS[inject_bug] if inject_bug else (None, None, "")
     t0 = time.perf_counter()
-    result = explore(scope, *(() if pinner_cls is None else (pinner_cls, accessor_cls)), max_states=max_states)
+    result = explore(
+        scope,
+        *(() if pinner_cls is None else (pinner_cls, accessor_cls)),
+        max_states=max_states,
+        progress=_Progress(depth, progress_every),
+    )
     wall = time.perf_counter() - t0
     written: str | None = None
     cx = result.violation

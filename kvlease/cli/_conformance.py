@@ -23,6 +23,8 @@ import click
 from kvlease import KvLeaseError
 from kvlease.conformance import CoreImplementation, Implementation, JSONDict, VectorResult, run_vector
 
+from ._params import Number
+
 __all__ = ["DriverError", "SubprocessDriver", "conformance", "default_vectors_dir", "load_vectors"]
 
 
@@ -154,10 +156,20 @@ def load_vectors(directory: Path, names: tuple[str, ...] = ()) -> list[JSONDict]
     """Every ``*.json`` vector in `directory` (sorted by file name), or only `names`."""
     paths = sorted(directory.glob("*.json"))
     if names:
+        unknown = sorted(set(names) - {p.stem for p in paths})
+        if unknown:
+            raise click.BadParameter(
+                f"no vector named {', '.join(unknown)} in {directory}; the vectors there: "
+                f"{', '.join(p.stem for p in paths) or '(none)'}",
+                param_hint="'--only'",
+            )
         paths = [p for p in paths if p.stem in names]
     vectors: list[JSONDict] = []
     for p in paths:
-        data = json.loads(p.read_text())
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise click.ClickException(f"{p}: not a vector file (not JSON: {exc})") from None
         if not isinstance(data, dict):
             raise click.ClickException(f"{p}: a vector file must hold one JSON object")
         vectors.append(data)
@@ -186,7 +198,13 @@ def run_all(vectors: list[JSONDict], impl: Implementation) -> list[VectorResult]
     help="Directory of vector files (default: the vectors shipped with kvlease).",
 )
 @click.option("--only", "names", multiple=True, metavar="NAME", help="Run only this vector (repeatable).")
-@click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for each driver answer.")
+@click.option(
+    "--timeout",
+    type=Number(0.0, 3600.0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for each driver answer.",
+)
 def conformance(driver_cmd: str | None, vectors_dir: Path | None, names: tuple[str, ...], timeout: float) -> None:
     """Replay the conformance vectors; exit 1 on any mismatch, showing the first one."""
     from rich.console import Console

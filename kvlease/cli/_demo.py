@@ -32,6 +32,7 @@ from kvlease import ConfigError, LeaseConfig
 
 from ._child import ChildProcess
 from ._demo_scenarios import SCENARIOS, Bounds, ChildSpec, Scenario, ScenarioResult, ScenarioRun, evaluate
+from ._params import Number
 
 __all__ = ["demo"]
 
@@ -39,6 +40,8 @@ log = logging.getLogger("kvlease.demo")
 
 TICK = 0.02
 BLOCK_SIZE = 4096
+#: The longest `--lease`: every scenario together runs for about ten leases (five minutes here).
+MAX_LEASE = 30.0
 
 
 def _child_env(transport: str) -> dict[str, str]:
@@ -382,7 +385,7 @@ def _summary_table(results: list[ScenarioResult], config: LeaseConfig, bounds: B
         status = (
             f"[green]{len(r.claims)}/{len(r.claims)} ok[/]"
             if not broken
-            else "[red]BROKEN: " + "; ".join(f"{c.name} ({c.detail})" for c in broken) + "[/]"
+            else "[red]BROKEN: " + "; ".join(f"{c.name} ({c.text})" for c in broken) + "[/]"
         )
         t.add_row(r.name, r.transport, r.kvlease, r.baseline, status)
     return t
@@ -417,6 +420,15 @@ def _config_ok(lease: float) -> bool:
     return True
 
 
+def _check_metrics() -> None:
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise click.UsageError(
+            "--metrics-port needs prometheus_client; install the extra: pip install 'kvlease[metrics]'"
+        ) from None
+
+
 def _check_transport(transport: str) -> None:
     if transport == "nixl":
         try:
@@ -447,12 +459,20 @@ def _check_transport(transport: str) -> None:
 @click.option(
     "--lease",
     "lease",
-    type=float,
+    type=Number(0.0, MAX_LEASE, min_open=True, what="a positive number of seconds"),
     default=2.5,
     show_default=True,
-    help="Initial lease (kv_lease_duration), seconds; heartbeat interval and extension derive from it.",
+    help="Initial lease (kv_lease_duration), seconds; heartbeat interval and extension derive from it "
+    "(all scenarios take about 10 x the lease).",
 )
-@click.option("--requests", "requests", type=int, default=8, show_default=True, help="Requests (leases) per scenario.")
+@click.option(
+    "--requests",
+    "requests",
+    type=click.IntRange(1, 4096),
+    default=8,
+    show_default=True,
+    help="Requests (leases) per scenario.",
+)
 @click.option(
     "--transport",
     "transport",
@@ -483,11 +503,9 @@ def demo(
     """Run a pinner (P) and an accessor (D) as two OS processes on loopback and play the lease
     scenarios, each beside the baseline it replaces. Exits non-zero if any safety or liveness
     claim (checked against bounds derived from the lease configuration) was broken."""
-    if not lease > 0 or lease != lease or lease == float("inf"):
-        raise click.BadParameter(f"must be a positive number of seconds, got {lease}", param_hint="'--lease'")
-    if requests < 1 or requests > 4096:
-        raise click.BadParameter(f"must be between 1 and 4096, got {requests}", param_hint="'--requests'")
     _check_transport(transport)
+    if metrics_port is not None:
+        _check_metrics()
     level = log_level.upper()
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s demo %(levelname)s %(name)s: %(message)s")
     try:
@@ -509,8 +527,10 @@ def demo(
     interactive = not as_json and sys.stdout.isatty()
     try:
         with _StopSignals() as stop, _View(interactive, names, config) as view:
-            for name in names:
+            for i, name in enumerate(names):
                 view.start(name)
+                if not interactive:  # piped: a line per scenario, so a long run is not silent
+                    click.echo(f"demo: scenario {i + 1}/{len(names)}: {name} ({SCENARIOS[name].description})", err=True)
                 run = _run_scenario(name, transport, config, requests, level, view, metrics, stop)
                 stop.check()
                 results.append(evaluate(run, config, bounds))
@@ -544,6 +564,6 @@ def demo(
         for r in results:
             for c in r.claims:
                 if not c.ok:
-                    click.echo(f"BROKEN {c.kind} claim in {r.name}: {c.name}: {c.detail}", err=True)
+                    click.echo(f"BROKEN {c.kind} claim in {r.name}: {c.name}: {c.text}", err=True)
     if not ok:
         sys.exit(1)

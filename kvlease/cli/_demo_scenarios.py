@@ -85,8 +85,16 @@ class Bounds:
 class Claim:
     name: str
     ok: bool
-    detail: str
+    #: What was measured: words, or counts by name (a JSON object in ``--json``).
+    detail: str | dict[str, int]
     kind: str = "safety"  # or "liveness"
+
+    @property
+    def text(self) -> str:
+        """`detail` for a person."""
+        if isinstance(self.detail, str):
+            return self.detail
+        return ", ".join(f"{k}: {v}" for k, v in self.detail.items()) or "none"
 
 
 @attrs.define
@@ -102,7 +110,7 @@ class ScenarioResult:
     def ok(self) -> bool:
         return all(c.ok for c in self.claims)
 
-    def claim(self, name: str, ok: bool, detail: str, kind: str = "safety") -> None:
+    def claim(self, name: str, ok: bool, detail: str | dict[str, int], kind: str = "safety") -> None:
         self.claims.append(Claim(name, bool(ok), detail, kind))
 
     def to_json(self) -> dict[str, Any]:
@@ -207,7 +215,7 @@ class Scenario:
         """This scenario's claims, figures and table row, beyond the common safety claims."""
         n, valid, reasons = run.requests, tally.valid, tally.reasons
         res.claim("every read valid", len(valid) == n, f"{len(valid)}/{n}", "liveness")
-        res.claim("freed on access-done", reasons.get("access_done", 0) == n, f"{dict(reasons)}", "liveness")
+        res.claim("freed on access-done", reasons.get("access_done", 0) == n, dict(reasons), "liveness")
         res.kvlease = f"{len(valid)}/{n} reads valid, {reasons.get('access_done', 0)} freed on access-done"
         res.baseline = "same (frees on read-done)"
 
@@ -459,7 +467,7 @@ def _reclaim_claim(run: ScenarioRun, bounds: Bounds, last_hb: float | None, res:
     res.claim(
         "reclaimed by max(grant + lease, last heartbeat + extension) + tick",
         not late,
-        f"late by (key, s): {late}" if late else f"all {len(run.grants)} in time",
+        "late: " + ", ".join(f"{k} by {over:g} s" for k, over in late) if late else f"all {len(run.grants)} in time",
         "liveness",
     )
 
@@ -524,7 +532,9 @@ def _safety(run: ScenarioRun, tally: Tally, res: ScenarioResult) -> None:
         f"{sum(len(v) for v in run.frees.values())} frees for {len(run.frees)} leases",
     )
     res.claim(
-        "no overwritten KV handed over as valid", not corrupt, f"corrupt valid reads: {corrupt}" if corrupt else "0"
+        "no overwritten KV handed over as valid",
+        not corrupt,
+        f"corrupt valid reads: {', '.join(map(str, corrupt))}" if corrupt else "0",
     )
     overlap = []
     believed_after_free = []
@@ -534,9 +544,13 @@ def _safety(run: ScenarioRun, tally: Tally, res: ScenarioResult) -> None:
             overlap.append(key)
         if evs[0]["reason"] != "access_done" and run.valid_until.get(key, float("-inf")) > free_t:
             believed_after_free.append((key, round(run.valid_until[key] - free_t, 4)))
-    res.claim("no valid access overlaps a free", not overlap, f"overlapping: {overlap}" if overlap else "0")
+    res.claim(
+        "no valid access overlaps a free",
+        not overlap,
+        f"overlapping: {', '.join(map(str, overlap))}" if overlap else "0",
+    )
     res.claim(
         "accessor never believes a lease valid after the pinner freed it",
         not believed_after_free,
-        f"(key, seconds too late): {believed_after_free}" if believed_after_free else "0",
+        ", ".join(f"{k} ({late:g} s too late)" for k, late in believed_after_free) if believed_after_free else "0",
     )

@@ -30,6 +30,7 @@ from ..sim import (
     run_seed,
 )
 from ..sim import Cluster as _Cluster
+from ._params import FloatList, FloatTuple, Number
 
 __all__ = ["sim"]
 
@@ -54,16 +55,6 @@ def _fmt(value: Any, fmt: str) -> str:
     if value is None:
         return "-"
     return fmt.format(value)
-
-
-def _parse_burst(value: str) -> tuple[float, float, float] | None:
-    if value.lower() in ("none", "off", ""):
-        return None
-    try:
-        start, length, rate = (float(x) for x in value.split(","))
-    except ValueError:
-        raise click.BadParameter(f"expected START,LENGTH,RATE (seconds, seconds, requests/s), got {value!r}") from None
-    return start, length, rate
 
 
 _LEGEND = (
@@ -329,8 +320,48 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
     return 1 if failures else 0
 
 
+#: The ranges the options accept: wide enough for any study, narrow enough that a run ends
+#: (a simulated hour at 100 requests/s is minutes of wall time per policy).
+_MAX_DURATION = 3600.0
+_MAX_RATE = 100.0
+_MAX_BURST_RATE = 200.0
+_SEEDS = click.IntRange(0, 2**32 - 1)
+_Seconds = Number(0.0, _MAX_DURATION)
+_BURST = FloatTuple(
+    (
+        ("START", _Seconds),
+        ("LENGTH", Number(0.0, _MAX_DURATION, min_open=True)),
+        ("RATE", Number(0.0, _MAX_BURST_RATE, min_open=True)),
+    )
+)
+_STALL = FloatTuple((("START", _Seconds), ("LENGTH", Number(0.0, _MAX_DURATION, min_open=True))))
+
+
+def _replay_record(
+    ctx: click.Context, param: click.Parameter, value: Path | None
+) -> tuple[Scenario, str | None] | None:
+    """A violation record written by ``--out``: its scenario and injected bug, or a usage error
+    naming the file and what is wrong with it."""
+    if value is None:
+        return None
+    try:
+        record = json.loads(value.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise click.BadParameter(f"{value} is not a violation record written by --out (not JSON: {exc})") from None
+    try:
+        scenario = Scenario.from_json(record["scenario"])
+        bug = (record.get("note") or "").removeprefix("injected bug: ") or None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise click.BadParameter(
+            f"{value} is not a violation record written by --out (no valid 'scenario': {type(exc).__name__}: {exc})"
+        ) from None
+    if bug is not None and bug not in BUGS:
+        raise click.BadParameter(f"{value} names an unknown injected bug {bug!r}; known: {', '.join(sorted(BUGS))}")
+    return scenario, bug
+
+
 @click.command()
-@click.option("--seed", type=int, default=1, show_default=True, help="Workload and fault seed.")
+@click.option("--seed", type=_SEEDS, default=1, show_default=True, help="Workload and fault seed.")
 @click.option(
     "--policy",
     "policies",
@@ -338,23 +369,55 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
     type=click.Choice(_POLICY_NAMES),
     help="Policies to compare (repeatable; default: all).",
 )
-@click.option("--duration", type=float, default=900.0, show_default=True, help="Simulated seconds.")
-@click.option("--rate", type=float, default=5.0, show_default=True, help="Arrivals per second outside the burst.")
 @click.option(
-    "--crash-at", type=float, default=240.0, show_default=True, help="When decoder D1 crashes (negative: never)."
+    "--duration",
+    type=Number(0.0, _MAX_DURATION, min_open=True),
+    default=900.0,
+    show_default=True,
+    help="Simulated seconds.",
 )
-@click.option("--burst", default="200,60,25", show_default=True, help="START,LENGTH,RATE of the burst, or 'none'.")
 @click.option(
-    "--stall", default="230,25", show_default=True, help="START,LENGTH of one stalled forward pass of D2, or 'none'."
+    "--rate",
+    type=Number(0.0, _MAX_RATE, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Arrivals per second outside the burst.",
+)
+@click.option(
+    "--crash-at",
+    type=Number(None, _MAX_DURATION),
+    default=240.0,
+    show_default=True,
+    help="When decoder D1 crashes (negative: never).",
+)
+@click.option(
+    "--burst",
+    type=_BURST,
+    default="200,60,25",
+    show_default=True,
+    help=f"START,LENGTH,RATE of the burst (seconds, seconds > 0, 0 < requests/s <= {_MAX_BURST_RATE:g}), or 'none'.",
+)
+@click.option(
+    "--stall",
+    type=_STALL,
+    default="230,25",
+    show_default=True,
+    help="START,LENGTH (seconds, LENGTH > 0) of one stalled forward pass of D2, or 'none'.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--markdown", is_flag=True, help="Print the comparison as a Markdown table.")
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path), help="Write PNG figures here.")
 @click.option(
-    "--sweep", default="10,15,20,25,30", show_default=True, help="Burst rates for the wasted-prefills figure."
+    "--sweep",
+    type=FloatList(Number(0.0, _MAX_BURST_RATE, min_open=True), max_items=20),
+    default="10,15,20,25,30",
+    show_default=True,
+    help=f"Burst rates for the wasted-prefills figure (1 to 20, each 0 < requests/s <= {_MAX_BURST_RATE:g}).",
 )
-@click.option("--campaign", "campaign_n", type=int, help="Run the fault campaign over N seeds instead.")
-@click.option("--first-seed", type=int, default=0, show_default=True, help="First campaign seed.")
+@click.option(
+    "--campaign", "campaign_n", type=click.IntRange(1, 10**6), help="Run the fault campaign over N seeds instead."
+)
+@click.option("--first-seed", type=_SEEDS, default=0, show_default=True, help="First campaign seed.")
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
@@ -366,10 +429,17 @@ def _campaign(n: int, first: int, out: Path | None, bug: str | None, as_json: bo
     type=click.Choice(sorted(BUGS)),
     help="Campaign: run a deliberately broken core, to see the campaign fail.",
 )
-@click.option("--max-reports", type=int, default=3, show_default=True, help="Campaign: minimize and report this many.")
+@click.option(
+    "--max-reports",
+    type=click.IntRange(0, 100),
+    default=3,
+    show_default=True,
+    help="Campaign: minimize and report this many.",
+)
 @click.option(
     "--replay",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    callback=_replay_record,
     help="Rerun the scenario of a violation record written by --out.",
 )
 def sim(
@@ -378,18 +448,18 @@ def sim(
     duration: float,
     rate: float,
     crash_at: float,
-    burst: str,
-    stall: str,
+    burst: tuple[float, float, float] | None,
+    stall: tuple[float, float] | None,
     as_json: bool,
     markdown: bool,
     plot_dir: Path | None,
-    sweep: str,
+    sweep: list[float],
     campaign_n: int | None,
     first_seed: int,
     out: Path | None,
     inject_bug: str | None,
     max_reports: int,
-    replay: Path | None,
+    replay: tuple[Scenario, str | None] | None,
 ) -> None:
     """Simulate a P/D cluster running the real kvlease core (virtual time, simulated network).
 
@@ -399,34 +469,23 @@ def sim(
     violation).
     """
     if replay is not None:
-        record = json.loads(replay.read_text())
-        scenario = Scenario.from_json(record["scenario"])
-        bug = (record.get("note") or "").removeprefix("injected bug: ") or None
-        pf, af = BUGS.get(bug, (None, None)) if bug else (None, None)
+        scenario, bug = replay
+        pf, af = BUGS[bug] if bug else (None, None)
         result = run_scenario(scenario, pinner_factory=pf, accessor_factory=af)
         click.echo(json.dumps([v.to_json() for v in result.violations], indent=1))
         sys.exit(1 if result.violations else 0)
     if campaign_n is not None:
-        if campaign_n < 1:
-            raise click.BadParameter("must be >= 1", param_hint="--campaign")
         sys.exit(_campaign(campaign_n, first_seed, out, inject_bug, as_json, max_reports))
     if plot_dir is not None:
         _check_matplotlib()  # before minutes of simulation, not after
     chosen = [Policy(p) for p in policies] if policies else list(Policy)
-    stalled: tuple[float, float] | None = None
-    if stall.lower() not in ("none", "off", ""):
-        try:
-            s_start, s_len = (float(x) for x in stall.split(","))
-        except ValueError:
-            raise click.BadParameter(f"expected START,LENGTH, got {stall!r}", param_hint="--stall") from None
-        stalled = (s_start, s_len)
     scenario = default_scenario(
         seed,
         duration=duration,
         rate=rate,
         crash_at=crash_at if crash_at >= 0 else None,
-        burst=_parse_burst(burst),
-        stall=stalled,
+        burst=burst,
+        stall=stall,
     )
     started = time.perf_counter()
     results = _run_policies(scenario, chosen)
@@ -439,8 +498,7 @@ def sim(
         events = sum(r.events for r in results)
         _table(results, f"seed {seed}: {duration:.0f} s simulated, {events:,} events in {elapsed:.1f} s")
     if plot_dir is not None:
-        rates = [float(x) for x in sweep.split(",") if x.strip()]
-        for path in _plots(plot_dir, results, scenario, rates, max(60.0, min(300.0, duration))):
+        for path in _plots(plot_dir, results, scenario, sweep, max(60.0, min(300.0, duration))):
             click.echo(f"wrote {path}", err=as_json)
     if any(r.violations for r in results if r.policy == Policy.KVLEASE.value):
         sys.exit(1)
