@@ -289,25 +289,23 @@ class Pinner:
 
     def next_deadline(self) -> LocalTime | None:
         """When `handle_timeout` next has work (possibly early, never late), or None."""
-        nd = self._heap[0][0] if self._heap else None
-        if self._held:
-            # A held heartbeat is answered once its ids are granted, or at its answer-by time.
-            due = self._now if self._held_top < self._next_id else self._held[0][0]
-            nd = due if nd is None else min(nd, due)
-        return None if nd is None else LocalTime(nd)
+        if not self._held:
+            return LocalTime(self._heap[0][0]) if self._heap else None
+        # A held heartbeat is answered once its ids are granted, or at its answer-by time.
+        due = self._now if self._held_top < self._next_id else self._held[0][0]
+        return LocalTime(min(self._heap[0][0], due) if self._heap else due)
 
     def handle_timeout(self, now: LocalTime) -> tuple[PinnerOutput, ...]:
         """Answer held heartbeats that are due and expire every lease whose deadline has
         passed. Safe to call at any time."""
         self._advance(now)
         heap = self._heap
-        held: list[PinnerOutput] = self._answer_held(now) if self._held else []
-        if not heap or heap[0][0] > now:
+        if not self._held and (not heap or heap[0][0] > now):
             # Nothing due: the common case (a driver calls this every forward pass).
             if len(heap) > 2 * len(self._leases) + 64:
                 self._compact()
-            return tuple(held)
-        out: list[PinnerOutput] = held
+            return ()
+        out: list[PinnerOutput] = self._answer_held(now) if self._held else []
         while heap and heap[0][0] <= now:
             _, lease_id = heapq.heappop(heap)
             lease = self._leases.get(lease_id)
