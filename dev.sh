@@ -5,6 +5,7 @@
 #   bash dev.sh bench|sim|conformance [ARGS...]   the other kvlease subcommands
 #   bash dev.sh gates            only the static gates (ruff check, ruff format --check, mypy --strict)
 #   bash dev.sh env              only create/update the environment
+#   bash dev.sh help             this text (no command at all: test)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -39,6 +40,26 @@ engines() {
   done
 }
 
+# The engine environments a selection of tests needs: a test file names its engine
+# (tests/test_vllm_*.py, tests/test_sglang_*.py); a directory, or no path at all, may collect
+# them all. Prints engine names, one per line.
+engines_for() {
+  local a paths=0 all=0 name
+  for a in "$@"; do
+    case "$a" in -*) continue ;; esac
+    [ -e "${a%%::*}" ] || continue
+    paths=1
+    if [ -d "${a%%::*}" ]; then all=1; continue; fi
+    for name in engines/*/; do
+      name=$(basename "$name")
+      case "$(basename "${a%%::*}")" in *"$name"*) echo "$name" ;; esac
+    done
+  done
+  if [ "$paths" = 0 ] || [ "$all" = 1 ]; then
+    for name in engines/*/; do basename "$name"; done
+  fi
+}
+
 # Static gates over everything kvlease ships and tests: ruff (lint and format) and mypy --strict
 # (through tools/typecheck.py, which checks the package as it installs: kvlease.transports and
 # kvlease.adapters are mapped directories that plain mypy cannot resolve).
@@ -51,15 +72,24 @@ gates() {
 
 cmd=${1:-test}
 [ $# -gt 0 ] && shift
+case "$cmd" in
+  -h|--help|help)
+    sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    echo "With no command: test (the whole suite, engines included: 15-30 minutes)."
+    exit 0 ;;
+esac
 setup
 case "$cmd" in
   env) engines ;;
   gates) gates ;;
   test)
-    engines
-    if [ $# -gt 0 ]; then  # a selection of tests: no coverage gate
+    if [ $# -gt 0 ]; then  # a selection of tests: only the engines it needs, no coverage gate
+      for e in $(engines_for "$@" | sort -u); do
+        [ -f "engines/$e/setup.sh" ] && bash "engines/$e/setup.sh"
+      done
       exec "$VENV/bin/python" -m pytest "$@"
     fi
+    engines
     # The gates first (lint, format, types: a minute, and they fail fast), then the whole
     # suite with its 15 slowest tests listed, then the gate on branch coverage of kvlease/
     # (omit list in pyproject.toml) as its own command, so a shortfall fails the run by its
