@@ -830,7 +830,11 @@ class Mesh:
         reached every target rank anyway (a cancel that raced the completion). `lands_after`:
         a posted push WRITE still lands that many real seconds from now (S2 bounds it by the
         accessor's `max_access_time` from its begin; the caller respects that)."""
-        access = self.accesses.pop((engine, rank, key))
+        access = self.accesses[engine, rank, key]
+        if not posted and access.landed:
+            # A part that landed was posted: its access-done is out, and may end the lease.
+            raise ValueError(f"{engine}.{rank} {key!r}: parts {sorted(access.landed)} landed, so it was posted")
+        del self.accesses[engine, rank, key]
         access.end = self.real
         if access.push and posted and lands_after > 0.0:
             access.lands_at = self.real + lands_after
@@ -1065,31 +1069,40 @@ class Mesh:
         """Every accessor rank's validity window ends before any free (or expiry) of a pinner
         rank it accesses, in real time."""
         p_ranks = len(self.pinners)
+        # Each pinner rank's expiry of a lease, in real time, read once per check (several
+        # accessor ranks compare against the same one).
+        expiry_real: dict[tuple[int, int], float | None] = {}
         for (e, r), acc in self.accessors.items():
             clock = self.accessor_clocks[e]
+            targets = tp_layout(p_ranks, acc.ranks, r).targets
             for key, ticket in self.tickets.items():
                 v = acc.valid_until(key)
                 if v is None:
                     continue
                 v_real = clock.real(v)
-                # Validity past a free is fine only while the access whose own access-done
-                # caused that free is still being finished (not for a later one).
-                access = self.accesses.get((e, r, key)) or self.finished.get((e, r, key))
-                in_access = acc.state_of(key) is not TrackedState.WAITING
-                for q in tp_layout(p_ranks, acc.ranks, r).targets:
-                    limit: float | None = None
-                    freed = self.frees.get((ticket.lease_id, q))
+                lid = ticket.lease_id
+                for q in targets:
+                    limit: float | None
+                    freed = self.frees.get((lid, q))
                     if freed is not None:
-                        heard = self.done_heard.get((ticket.lease_id, q), set())
-                        own = in_access and access is not None and (e, r, access.attempt) in heard
-                        if not own:
-                            limit = freed[0]
+                        # Validity past a free is fine only while the access whose own
+                        # access-done caused that free is still being finished (not for a
+                        # later one).
+                        access = self.accesses.get((e, r, key)) or self.finished.get((e, r, key))
+                        own = (
+                            access is not None
+                            and acc.state_of(key) is not TrackedState.WAITING
+                            and (e, r, access.attempt) in self.done_heard.get((lid, q), ())
+                        )
+                        limit = None if own else freed[0]
+                    elif (lid, q) in expiry_real:
+                        limit = expiry_real[lid, q]
                     else:
-                        info = self.pinners[q].info(ticket.lease_id)
-                        if info is not None:
-                            limit = self.pinner_clock.real(info.expiry)
+                        info = self.pinners[q].info(lid)
+                        limit = None if info is None else self.pinner_clock.real(info.expiry)
+                        expiry_real[lid, q] = limit
                     if limit is not None and v_real > limit + TIME_TOLERANCE:
                         raise InvariantViolation(
-                            f"{e}.{r} counts {key!r} (lease {ticket.lease_id}) valid until real {v_real}, "
+                            f"{e}.{r} counts {key!r} (lease {lid}) valid until real {v_real}, "
                             f"past pinner rank {q}'s {'free' if freed else 'expiry'} at {limit}"
                         )
