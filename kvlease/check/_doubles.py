@@ -25,6 +25,7 @@ from .._doubles import (
     RetryAfterPostedFailureAccessor,
     UnboundAckAccessor,
     UnboundHandshakeAccessor,
+    UnretiredHandshakeAccessor,
     no_drift_margin_accessor,
 )
 from .._pinner import Pinner
@@ -52,6 +53,11 @@ CHECK_BUGS: dict[str, tuple[Callable[..., Pinner], Callable[..., Accessor], str]
     "wrong-part": (NoToRankPinner, Accessor, "an access-done counted at a sibling rank it does not name (to_rank)"),
     "no-ack-budget": (NoAckBudgetPinner, Accessor, "a heartbeat whose ack exceeds the frame bound is answered"),
     "rounds": (Pinner, ChunkBoundAccessor, "outstanding heartbeats bounded by chunks, not rounds"),
+    "unretired-handshake": (
+        Pinner,
+        UnretiredHandshakeAccessor,
+        "a handshake sent before the pinner restarted decides a new incarnation's lease",
+    ),
 }
 
 _LEAVE_OUT = "drop,cross,dup,misroute,replay,release,untrack,retrack,disconnect,bigbeat"
@@ -63,4 +69,7 @@ BUG_HINTS: dict[str, str] = {
     "wrong-part": "-p 2 --depth 11 --without " + _LEAVE_OUT.replace(",misroute", "") + ",fail,advance",
     "no-ack-budget": "--depth 1",
     "rounds": "--max-outstanding 1 --leases 2 --depth 10 --without " + _LEAVE_OUT + ",begin,finish,fail,advance,part",
+    "unretired-handshake": "--restarts 1 --leases 2 --depth 8 --without "
+    + _LEAVE_OUT.replace(",release", "")
+    + ",begin,finish,fail,advance,part",
 }

@@ -734,6 +734,18 @@ class World:
                             f"a late duplicate of a handshake reply {engine}.{rank} already received (pinner "
                             f"incarnation {msg.incarnation:#x}, seq {msg.seq}) dropped live lease(s): {lost!r}"
                         )
+                if msg.incarnation != self.incarnation:
+                    lost = [
+                        o
+                        for o in outs
+                        if isinstance(o, LeaseLost) and self.tickets[o.key].incarnation == self.incarnation
+                    ]
+                    if lost:  # v3 hole 6: a reply of the old incarnation decided a new lease's fate
+                        raise Violation(
+                            f"a handshake reply of the pinner's previous incarnation {msg.incarnation:#x} "
+                            f"reached {engine}.{rank} after a ticket of the live one was tracked, and dropped "
+                            f"live lease(s): {lost!r}"
+                        )
                 self.replies_heard.add(heard)
                 self._forget_rounds(engine, rank)  # a new connection or terms may clear them
             self._acc_out(engine, rank, outs)
