@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -73,6 +75,11 @@ log = logging.getLogger("kvlease.adapters.vllm")
 #: Key of the ticket in ``kv_transfer_params`` and of the adapter's part of the metadata.
 TICKET_KEY = "kvlease"
 
+#: Seconds between the lease pump's turns while a lease or a track is live, and otherwise (a
+#: hello from a new decoder waits at most this long). Small against any heartbeat interval.
+PUMP_BUSY = 0.005
+PUMP_IDLE = 0.05
+
 
 def ticket_binding(params: Mapping[str, Any]) -> bytes:
     """What a sealed ticket guards, from the transfer parameters it travels in: the producer
@@ -90,9 +97,14 @@ def _route_logs_through_vllm() -> None:
     ours, theirs = logging.getLogger("kvlease"), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:
         return
+    level = os.environ.get("KVLEASE_LOGGING_LEVEL", "").upper()
     for handler in theirs.handlers:
         ours.addHandler(handler)
-    ours.setLevel(theirs.level or logging.INFO)
+        if level in logging.getLevelNamesMapping():
+            # kvlease's own level (e.g. DEBUG while vLLM stays at INFO): vLLM's handler filters
+            # at vLLM's level, so let the loggers decide (vLLM's logger keeps its own).
+            handler.setLevel(logging.NOTSET)
+    ours.setLevel(level if level in logging.getLevelNamesMapping() else (theirs.level or logging.INFO))
     ours.propagate = False
 
 
@@ -149,6 +161,18 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._kv_tracked: set[str] = set()
         self._kv_untrack: list[str] = []
         self._kv_warned: set[str] = set()
+        # Requests whose blocks this producer holds for a decoder's READ (until a worker
+        # reports them in finished_sending): the engine must keep stepping meanwhile.
+        self._kv_held: set[str] = set()
+
+    def has_pending_push_work(self) -> bool:
+        """True while this producer holds blocks under a lease. vLLM 0.33 lets an engine whose
+        requests have all finished block on its input queue even while their blocks wait for
+        decoders' READs: the metadata carrying a grant to the workers would then wait for the
+        next request, and a lease's end would free nothing until then. vLLM keeps an engine
+        stepping while its connector reports pending work (this hook), about once a
+        millisecond."""
+        return bool(self._kv_held) or bool(super().has_pending_push_work())
 
     # producer: one lease id per request, shipped to every worker and to the decoder
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -162,6 +186,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             lease_id = self._kv_next_id
             self._kv_next_id += 1
             self._kv_grants[req_id] = lease_id
+            self._kv_held.add(req_id)
             params[TICKET_KEY] = self._kv_ticket(
                 params,
                 LeaseTicket(
@@ -181,6 +206,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             deadline = time.monotonic() + float(self.decoder_kv_blocks_ttl)
             self._kv_grants[req_id] = lease_id
             self._kv_fixed[req_id] = deadline
+            self._kv_held.add(req_id)
             params[TICKET_KEY] = self._kv_ticket(
                 params,
                 LeaseTicket(
@@ -257,6 +283,8 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         super().update_connector_output(connector_output)
         for req_id in connector_output.finished_recving or ():
             self._kv_tracked.discard(req_id)
+        for req_id in connector_output.finished_sending or ():
+            self._kv_held.discard(req_id)
 
 
 # -- worker side ---------------------------------------------------------------------------------
@@ -303,7 +331,11 @@ class _KvleaseWorkerBase:
             transfer_timeout=s.transfer_timeout,
             vllm_compat=s.vllm_compat,
         )
+        self._kv_driver_ready()
         return self.kvlease_driver
+
+    def _kv_driver_ready(self) -> None:
+        """Called once the driver exists (the pull worker starts its lease pump here)."""
 
     @staticmethod
     def _kv_deltas(counted: dict[str, int], current: dict[str, int]) -> dict[str, int]:
@@ -357,6 +389,13 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         # load), never made without a lease.
         self._kv_lost: set[str] = set()
         self._kv_deferred: list[tuple[str, Any]] = []  # READs waiting for the kvlease handshake
+        # The lease pump (a thread: see _kv_pump_loop) and the engine's step share the driver,
+        # the transport and the agent's notifications under this lock.
+        self._kv_lock = threading.RLock()
+        self._kv_stop = threading.Event()
+        self._kv_pump: threading.Thread | None = None
+        self._kv_events: list[Any] = []  # driver events the pump produced, for the next step
+        self._kv_unframed = 0  # non-kvlease notifications dropped (compat off), for vLLM's stats
         # vLLM's per-step connector stats, with kvlease's counters in them (see _metrics).
         self.xfer_stats = KvleaseConnectorStats()
         self._kv_counted = dict.fromkeys(KVLEASE_COUNTERS, 0)
@@ -371,7 +410,43 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 
     # -- per step: metadata in ---------------------------------------------------------------
 
+    # -- the lease pump ----------------------------------------------------------------------
+
+    def _kv_driver_ready(self) -> None:
+        self._kv_pump = threading.Thread(target=self._kv_pump_loop, name="kvlease-lease-pump", daemon=True)
+        self._kv_pump.start()
+
+    def _kv_pump_loop(self) -> None:
+        """The driver's turns between engine steps. vLLM steps an engine only while it has work
+        for the scheduler: a producer whose requests all wait for their READs sits idle
+        (blocked on its input queue) with their blocks pinned, and a busy one may not step for a
+        whole forward pass. The lease protocol needs answers within a heartbeat interval, so this
+        thread drains the agent's notifications and runs the driver's step (heartbeats, their
+        acknowledgements, expiries, handshakes) every `PUMP_BUSY` seconds while a lease or a
+        track is live, every `PUMP_IDLE` otherwise. What it yields is handed to vLLM on the
+        engine's next step (`get_transfer_results`): the pump frees nothing itself."""
+        while not self._kv_stop.is_set():
+            busy = False
+            with self._kv_lock:
+                driver = self.kvlease_driver
+                if driver is not None:
+                    try:
+                        self._kv_drain()
+                        self._kv_events.extend(driver.step())
+                        busy = driver.next_deadline() is not None
+                    except Exception:  # never let the pump die: the engine's steps go on
+                        log.exception("kvlease: lease pump step failed")
+            self._kv_stop.wait(PUMP_BUSY if busy else PUMP_IDLE)
+
+    def shutdown(self) -> None:
+        self._kv_stop.set()
+        super().shutdown()
+
     def start_load_kv(self, metadata: Any) -> None:
+        with self._kv_lock:
+            self._kv_start_load(metadata)
+
+    def _kv_start_load(self, metadata: Any) -> None:
         kv = getattr(metadata, "kvlease", None) or {}
         driver = self._kv_ensure_driver(kv.get("incarnation"))
         if driver.accessor is not None:
@@ -457,6 +532,10 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             return super()._read_blocks(read_spec, *args, **kwargs)
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        with self._kv_lock:
+            self._kv_read_blocks_for_req(req_id, meta)
+
+    def _kv_read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         driver = self.kvlease_driver
         source = self._kv_source.get(req_id)
         if source is not None and source != meta.remote.request_id:
@@ -537,8 +616,13 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
     # -- per step: notifications in, results out ---------------------------------------------
 
     def _get_new_notifs(self) -> set[str]:
-        # Every notification goes to the driver: kvlease frames, hellos, and stock vLLM `HB:` /
-        # `id:count` (the compat codec), so no request is ever freed by vLLM's own bookkeeping.
+        self._kv_drain()
+        return set()
+
+    def _kv_drain(self) -> None:
+        """Every notification goes to the driver: kvlease frames, hellos, and stock vLLM `HB:` /
+        `id:count` (the compat codec), so no request is ever freed by vLLM's own bookkeeping.
+        Under the lock (the engine's step or the pump)."""
         feed = self.kvlease_transport.feed
         for agent_name, notifs in self.nixl_wrapper.get_new_notifs().items():
             name = agent_name.decode() if isinstance(agent_name, bytes) else str(agent_name)
@@ -547,13 +631,19 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                 if not self.kvlease_settings.vllm_compat and not (
                     is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)
                 ):
-                    self.xfer_stats.record_notification_after_expiry()
+                    self._kv_unframed += 1
                     continue
                 feed(name, data)
-        return set()
 
     def get_transfer_results(self) -> Any:
+        with self._kv_lock:
+            return self._kv_transfer_results()
+
+    def _kv_transfer_results(self) -> Any:
         res = super().get_transfer_results()
+        for _ in range(self._kv_unframed):
+            self.xfer_stats.record_notification_after_expiry()
+        self._kv_unframed = 0
         driver = self.kvlease_driver
         if driver is None:
             return res
@@ -572,7 +662,8 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                 res.failed_recving.add(req_id)
                 continue
             self._kv_verdict.add(req_id)
-        for ev in driver.step():
+        events, self._kv_events = [*self._kv_events, *driver.step()], []
+        for ev in events:
             if isinstance(ev, Free):
                 if ev.key in self._kv_granted:
                     self._kv_granted.discard(ev.key)

@@ -1,0 +1,390 @@
+"""Real `vllm serve` prefill/decode pairs on this machine, for the suite, the benchmark and the demo.
+
+Each server is a real ``vllm serve`` process of the engine environment (.venv-vllm, built by
+engines/vllm/setup.sh) with real CPU forward passes of the tiny Llama made there, KV moved over
+NIXL (UCX on loopback, host memory), run with stock vLLM's ``NixlConnector`` or with kvlease's
+(``kv_connector_module_path: kvlease.adapters.vllm``). In front: engines/vllm/router.py; the
+requests come from engines/vllm/client.py (the ``openai`` library). Used by
+tests/test_vllm_serve.py, bench/vllm_serve.py and this file's ``demo`` (docs/vllm-serve.md).
+
+Servers start in a scratch directory, never in the repository: a process started from a folder
+that holds a directory named ``kvlease`` imports that directory (without the mapped subpackages)
+instead of the installed package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import attrs
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
+MODEL = ROOT / ".venv-vllm" / "tiny-llama"
+ROUTER = ROOT / "engines" / "vllm" / "router.py"
+CLIENT = ROOT / "engines" / "vllm" / "client.py"
+
+#: Every server's environment (docs/vllm-serve.md explains each).
+SERVER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1",
+}
+
+#: The flags both roles share (docs/vllm-serve.md).
+COMMON_FLAGS = [
+    "--host", "127.0.0.1", "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024",
+    "--enforce-eager", "--block-size", "32",
+]  # fmt: skip
+
+STOCK, KVLEASE = "stock", "kvlease"
+PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
+
+
+def missing_environment() -> str | None:
+    """Why the real-serving pieces cannot run here, or None."""
+    if not VENV_PY.exists():
+        return f"{VENV_PY} is missing: run `bash engines/vllm/setup.sh` (bash dev.sh test does)"
+    if not (MODEL / "model.safetensors").exists():
+        return f"the tiny model is missing at {MODEL}: run `bash engines/vllm/setup.sh`"
+    if not list((VENV_PY.parent.parent / "lib").glob("python3*/site-packages/vllm/_C.abi3.so")):
+        return "vLLM's CPU kernels (vllm/_C.abi3.so) are missing from .venv-vllm: run engines/vllm/setup.sh"
+    return None
+
+
+_PORTS = random.Random(os.getpid() ^ int(time.time()))
+
+
+def free_port() -> int:
+    """A port free now, below the ephemeral range (so sockets opened meanwhile do not take it)."""
+    for _ in range(500):
+        port = _PORTS.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 32000)")
+
+
+def kv_transfer_config(
+    connector: str, role: str, lease: float, *, policy: str = "recompute", extra: dict[str, Any] | None = None
+) -> str:
+    """``--kv-transfer-config`` for one server: stock vLLM's NIXL connector or kvlease's, under the
+    same name (``NixlConnector``, so every name-keyed NIXL check of vLLM applies to both)."""
+    cfg: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"kv_lease_duration": lease, **(extra or {})},
+    }
+    if connector == KVLEASE:
+        cfg["kv_connector_module_path"] = "kvlease.adapters.vllm"
+    return json.dumps(cfg)
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except (OSError, TimeoutError) as e:
+        return 0, repr(e)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Each sample's value by sample name, summed over labels (one engine per server here)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+@attrs.define(eq=False)
+class Server:
+    """One ``vllm serve`` process (with its engine-core child) in a process group of its own."""
+
+    name: str
+    connector: str
+    role: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    lease: float
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        return self.alive() and get(self.url + "/health", timeout=2)[0] == 200
+
+    def metrics(self) -> dict[str, float]:
+        status, text = get(self.url + "/metrics")
+        if status != 200:
+            raise RuntimeError(f"{self.name}: /metrics answered {status}: {text[:200]}")
+        return parse_metrics(text)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Signal every process of the server (API server, engine core, their threads)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def freeze(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.thaw()
+            self.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+        self.kill()
+
+
+def start_server(
+    name: str,
+    connector: str,
+    role: str,
+    workdir: Path,
+    *,
+    lease: float = 6.0,
+    blocks: int | None = None,
+    max_num_seqs: int = 4,
+    extra: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Server:
+    """Start one server (returns at once: `wait_healthy` waits for it)."""
+    port, side = free_port(), free_port()
+    flags = [*COMMON_FLAGS, "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+    if blocks is not None:
+        flags += ["--num-gpu-blocks-override", str(blocks)]
+    flags += ["--kv-transfer-config", kv_transfer_config(connector, role, lease, extra=extra)]
+    log_path = workdir / f"{name}.log"
+    run_in = workdir / "cwd"
+    run_in.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [str(VENV_PY), "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL), *flags],
+        cwd=run_in,
+        env={**os.environ, **SERVER_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), **(env or {})},
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return Server(name, connector, role, port, log_path, proc, lease)
+
+
+def tail(text: str, n: int = 25) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def wait_healthy(servers: list[Server], timeout: float = 900.0) -> float:
+    """Wait until every server answers /health; seconds waited. A server that dies fails at once,
+    with its log's tail."""
+    start = time.monotonic()
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if not s.alive():
+                raise RuntimeError(f"{s.name} exited with {s.proc.returncode} while starting:\n{tail(s.log())}")
+            if s.healthy():
+                pending.remove(s)
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"not healthy after {timeout:.0f} s: {[s.name for s in pending]}")
+        if pending:
+            time.sleep(2)
+    return time.monotonic() - start
+
+
+@attrs.define(eq=False)
+class Router:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_router(prefills: list[Server], decodes: list[Server], workdir: Path) -> Router:
+    port = free_port()
+    args = [str(VENV_PY), str(ROUTER), "--port", str(port)]
+    args += [a for s in prefills for a in ("--prefill", f"{s.name}={s.url}")]
+    args += [a for s in decodes for a in ("--decode", f"{s.name}={s.url}")]
+    log_path = workdir / "router.log"
+    proc = subprocess.Popen(args, cwd=workdir, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
+    router = Router(proc, port, log_path)
+    wait_until(lambda: get(f"http://127.0.0.1:{port}/health")[0] != 0, 60, "the router to listen")
+    return router
+
+
+class Client:
+    """engines/vllm/client.py as a subprocess: completions through the ``openai`` library."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [str(VENV_PY), str(CLIENT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self._pending: dict[str, Future[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._ids = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            answer = json.loads(line)
+            with self._lock:
+                future = self._pending.pop(answer["id"])
+            future.set_result(answer)
+
+    def submit(
+        self,
+        base_url: str,
+        prompt: str,
+        max_tokens: int = 16,
+        *,
+        headers: dict[str, str] | None = None,
+        stream: bool = False,
+        extra_body: dict[str, Any] | None = None,
+    ) -> Future[dict[str, Any]]:
+        future: Future[dict[str, Any]] = Future()
+        with self._lock:
+            self._ids += 1
+            rid = f"c{self._ids}"
+            self._pending[rid] = future
+        req = dict(id=rid, base_url=base_url, prompt=prompt, max_tokens=max_tokens, headers=headers, stream=stream)
+        if extra_body:
+            req["extra_body"] = extra_body
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return future
+
+    def complete(self, base_url: str, prompt: str, max_tokens: int = 16, **kw: Any) -> dict[str, Any]:
+        return self.submit(base_url, prompt, max_tokens, **kw).result(timeout=900)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str, every: float = 0.2) -> float:
+    """Poll ``pred`` until true; seconds waited. `TimeoutError` says what was awaited."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(every)
+    return time.monotonic() - start
+
+
+_REFERENCE = """
+import json, sys
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+model_dir, max_tokens = sys.argv[1], int(sys.argv[2])
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+out = {}
+for prompt in json.loads(sys.stdin.read()):
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    out[prompt] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+print(json.dumps(out))
+"""
+
+
+def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt's greedy completion computed by ``transformers`` alone (no vLLM, no KV transfer):
+    what any correct P/D pair must return for it."""
+    proc = subprocess.run(
+        [str(VENV_PY), "-c", _REFERENCE, str(MODEL), str(max_tokens)],
+        input=json.dumps(prompts),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference run failed:\n{tail(proc.stderr)}")
+    texts: dict[str, str] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return texts
+
+
+@contextlib.contextmanager
+def frozen(*servers: Server) -> Iterator[None]:
+    """Every process of each server stopped (SIGSTOP) for the block: a decode engine that stalls
+    (a long GC pause, a host under memory pressure, a debugger), then resumes as if nothing happened."""
+    for s in servers:
+        s.freeze()
+    try:
+        yield
+    finally:
+        for s in servers:
+            s.thaw()
