@@ -178,35 +178,7 @@ def test_the_table_piped_at_80_columns_shows_every_number_whole() -> None:
         assert [c.strip() for c in rows[policy].split("|")[2:-1]] == cells, rows[policy]
 
 
-def test_the_table_in_an_80_column_terminal_shows_every_number_whole() -> None:
-    import re
-
-    import pexpect
-
-    expected = _expected_cells()
-    child = pexpect.spawn(
-        sys.executable,
-        ["-m", "kvlease", *_TABLE_ARGS],
-        dimensions=(50, 80),
-        encoding="utf-8",
-        timeout=300,
-        env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "80"},
-    )
-    child.expect(pexpect.EOF)
-    child.close()
-    assert child.exitstatus == 0
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", child.before).replace("\r", "")
-    text = text[text.index("seed 2:") :]  # after the progress bar
-    lines = text.splitlines()
-    assert max(len(line) for line in lines) <= 80
-    assert "…" not in text
-    # The columns may be split over several tables: each policy's cells, in order, across them.
-    got: dict[str, list[str]] = {}
-    for line in lines:
-        parts = [p.strip() for p in line.split("│")]
-        if len(parts) > 2 and parts[1] in expected:
-            got.setdefault(parts[1], []).extend(parts[2:-1])
-    assert got == expected
+# The table in a real terminal (tmux, at 80, 100 and 120 columns): tests/test_sim_terminal.py.
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -31,6 +31,9 @@ from ..sim import (
 )
 from ..sim import Cluster as _Cluster
 from ._params import FloatList, FloatTuple, Number
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
 
 __all__ = ["sim"]
 
@@ -64,50 +67,76 @@ _LEGEND = (
 
 
 def _table(results: list[RunResult], title: str) -> None:
-    """The comparison for a person: rich tables in a terminal, as many as the width needs
-    (every number whole, never cut to ``25,…``); the Markdown table when piped."""
+    """The comparison for a person: rich tables in a terminal (every number whole, whatever
+    the width); the Markdown table when piped."""
     if not sys.stdout.isatty():
         click.echo(title)
         click.echo(markdown_table(results))
         click.echo(textwrap.fill(_LEGEND, 80))
         return
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     rows = [(r.policy, [_fmt(r.summary()[k], f) for k, _, f in _COLUMNS]) for r in results]
-    groups = _column_groups(rows, console.width)
-    for i, group in enumerate(groups):
-        table = Table(title=title if i == 0 else None)
-        table.add_column("policy", style="bold", no_wrap=True)
-        for c in group:
-            table.add_column(_COLUMNS[c][1], justify="right", no_wrap=False, min_width=_cell_width(rows, c))
-        for policy, cells in rows:
-            table.add_row(policy, *(cells[c] for c in group))
-        console.print(table)
+    for renderable in terminal_table(console, rows, title):
+        console.print(renderable)
     console.print(_LEGEND, style="dim")
 
 
-def _cell_width(rows: list[tuple[str, list[str]]], column: int) -> int:
-    """The narrowest a column can be: its widest number, or its header's longest word."""
-    header_word = max(len(w) for w in _COLUMNS[column][1].split())
-    return max(header_word, *(len(cells[column]) for _, cells in rows))
+def terminal_table(console: Console, rows: list[tuple[str, list[str]]], title: str) -> list[RenderableType]:
+    """What to print for `rows` (each policy and its cells, in `_COLUMNS` order) on `console`:
+    the first layout whose every table rich itself measures within the console's width.
 
+    A row per policy in one table; else a column per policy, in as few tables as fit; else a
+    policy per block of ``metric value`` lines. Never a table wider than the console: rich
+    cuts each line of one at the terminal's edge (870 shown as "87"), and an estimate of rich's
+    widths made beside rich is how that happened (rich gives a wrapping column more than its
+    narrowest, and a column's ``min_width`` wins over the table's width). Every column here
+    has a fixed width: its widest cell, or the longest word of its header, which wraps."""
+    from rich.measure import Measurement
+    from rich.table import Table
+    from rich.text import Text
 
-def _column_groups(rows: list[tuple[str, list[str]]], width: int) -> list[list[int]]:
-    """The columns split, in order, into tables that each fit `width` (a rich table with box
-    borders: three characters per column besides its text, plus one)."""
-    policy = 3 + max(len("policy"), *(len(p) for p, _ in rows))
-    groups: list[list[int]] = [[]]
-    used = policy + 1
-    for c in range(len(_COLUMNS)):
-        need = 3 + _cell_width(rows, c)
-        if groups[-1] and used + need > width:
-            groups.append([])
-            used = policy + 1
-        groups[-1].append(c)
-        used += need
-    return groups
+    width = console.width
+
+    def fits(table: Table) -> bool:
+        return Measurement.get(console, console.options.update_width(10**4), table).maximum <= width
+
+    by_policy = Table(title=title)
+    by_policy.add_column("policy", style="bold", no_wrap=True, width=max(len("policy"), *(len(p) for p, _ in rows)))
+    for c, (_, header, _) in enumerate(_COLUMNS):
+        widest = max(max(len(w) for w in header.split()), *(len(cells[c]) for _, cells in rows))
+        by_policy.add_column(header, justify="right", width=widest)
+    for policy, cells in rows:
+        by_policy.add_row(policy, *cells)
+    if fits(by_policy):
+        return [by_policy]
+
+    def by_metric(chosen: list[tuple[str, list[str]]], first: bool) -> Table:
+        table = Table(title=title if first else None)
+        table.add_column("metric", no_wrap=True, width=max(len("metric"), *(len(h) for _, h, _ in _COLUMNS)))
+        for policy, cells in chosen:
+            table.add_column(policy, justify="right", no_wrap=True, width=max(len(policy), *map(len, cells)))
+        for c, (_, header, _) in enumerate(_COLUMNS):
+            table.add_row(header, *(cells[c] for _, cells in chosen))
+        return table
+
+    tables: list[Table] = []
+    group: list[tuple[str, list[str]]] = []
+    for row in rows:
+        if group and not fits(by_metric([*group, row], not tables)):
+            tables.append(by_metric(group, not tables))
+            group = []
+        group.append(row)
+    tables.append(by_metric(group, not tables))
+    if all(fits(t) for t in tables):
+        return list(tables)
+    # Narrower than a metric and one number side by side: lines, which fold rather than crop.
+    lines: list[RenderableType] = [Text(title)]
+    for policy, cells in rows:
+        lines.append(Text(policy, style="bold"))
+        lines.extend(Text(f"  {header} {cell}") for (_, header, _), cell in zip(_COLUMNS, cells, strict=True))
+    return lines
 
 
 def markdown_table(results: list[RunResult]) -> str:
