@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -131,6 +132,88 @@ def test_cli_plot_writes_small_pngs(tmp_path: Path) -> None:
     for p in tmp_path.glob("*.png"):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert 5_000 < p.stat().st_size < 200_000
+
+
+def _overlapping_text(fig: Any) -> list[tuple[str, str]]:
+    """Pairs of text drawn on `fig` whose boxes intersect: the tick labels of ticks in view,
+    titles, axis labels, legend entries and annotations."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts: list[Text] = []
+    ticks: set[int] = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            for tick in [*axis.get_major_ticks(), *axis.get_minor_ticks()]:
+                ticks.add(id(tick.label1))
+                if lo <= tick.get_loc() <= hi:  # matplotlib draws only these
+                    texts.append(tick.label1)
+    texts += [t for t in fig.findobj(Text) if id(t) not in ticks and not any(t is u for u in texts)]
+    boxes = []
+    for t in texts:
+        if t.get_visible() and t.get_text().strip():
+            boxes.append((t.get_text(), t.get_window_extent(renderer)))
+    return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1 :] if ba.overlaps(bb)]
+
+
+@pytest.fixture(scope="module")
+def figures() -> dict[str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlease.cli import _sim
+
+    # Long enough after the crash for the 480 s timeout to reclaim: the CDF spans 25..480 s.
+    sc = default_scenario(1, duration=540.0, rate=0.5, crash_at=40.0, burst=(20.0, 20.0, 25.0), stall=(30.0, 25.0))
+    results = [Cluster(sc, p).run() for p in Policy]
+    assert max(results[0].reclaim_latencies) > 479 and min(results[2].reclaim_latencies) < 30
+    wasted = _sim._load_sweep(1, [5.0, 40.0], 100.0)
+    return {
+        "pinned": _sim.pinned_memory_figure(results, sc),
+        "cdf": _sim.reclaim_cdf_figure(results),
+        "wasted": _sim.wasted_prefills_figure(wasted, [5.0, 40.0], 100.0),
+        "wasted_counts": wasted,
+    }
+
+
+@pytest.mark.parametrize("name", ["pinned", "cdf", "wasted"])
+def test_no_text_of_a_figure_runs_into_another(figures: dict[str, Any], name: str) -> None:
+    # The reclaim CDF's log axis used to label minor ticks: "2x10^1 3x10^1 4x10^1" overlapped.
+    assert _overlapping_text(figures[name]) == []
+
+
+def test_the_pinned_memory_figure_gives_each_policy_its_own_panel(figures: dict[str, Any]) -> None:
+    from kvlease.cli._sim import _COLORS
+
+    # Three of the policies pin the same memory: on one axis they were drawn on top of each other.
+    panels = figures["pinned"].axes
+    assert len(panels) == len(Policy)
+    for ax, policy in zip(panels, Policy, strict=True):
+        coloured = {ln.get_color() for ln in ax.get_lines() if ln.get_color() in _COLORS.values()}
+        assert coloured == {_COLORS[policy.value]}, (policy, coloured)
+        assert ax.get_title(loc="left").startswith(f"{policy.value}: ")
+
+
+def test_the_wasted_prefills_figure_shows_every_policy_each_in_its_own_place(figures: dict[str, Any]) -> None:
+    # vllm-hb was left out, and the 480 s baseline's zeros hid under kvlease's markers.
+    assert list(figures["wasted_counts"]) == [p.value for p in Policy]
+    assert figures["wasted_counts"]["fixed-30s"][1] > 0  # bars of different heights
+    (ax,) = figures["wasted"].axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [p.value for p in Policy]
+    bars = {(round(b.get_x(), 6), round(b.get_width(), 6)) for b in ax.patches}
+    assert len(bars) == len(Policy) * 2  # every bar at its own x: nothing drawn over another
+    labels = sorted(t.get_text() for t in ax.texts)
+    counts = sorted(f"{n:,}" for ns in figures["wasted_counts"].values() for n in ns)
+    assert labels == counts  # each count written on its bar, the zeros too
+
+
+def test_plot_says_how_much_longer_it_takes() -> None:
+    from kvlease.cli._sim import sim as command
+
+    help_text = CliRunner().invoke(command, ["--help"], terminal_width=200).output
+    assert "about 3x as long as the table alone" in " ".join(help_text.split())
 
 
 def test_the_simulator_loads_no_plotting_or_terminal_library() -> None:
