@@ -404,6 +404,8 @@ class ScenarioRun:
     finished: float | None = None
     timed_out: bool = False
     errors: list[str] = attrs.field(factory=list)
+    #: How long each of the scenario's steps took (`_demo_steps.STEPS`), seconds by name.
+    step_seconds: dict[str, float] = attrs.field(factory=dict)
 
     def feed(self, role: str, ev: dict[str, Any]) -> None:
         kind, t = ev["ev"], ev["t"]
@@ -520,6 +522,7 @@ def _figures(run: ScenarioRun, tally: Tally, res: ScenarioResult) -> None:
         end = ended[0]["t"] if ended else (run.finished or g["t"])
         pinned_bs += b * (end - g["t"])
     f["pinned_block_seconds"] = round(pinned_bs, 2)
+    f["step_seconds"] = dict(run.step_seconds)
 
 
 def _safety(run: ScenarioRun, tally: Tally, res: ScenarioResult) -> None:
