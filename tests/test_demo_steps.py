@@ -12,7 +12,8 @@ import json
 import subprocess
 import sys
 
-from kvlease.cli._demo_scenarios import ScenarioRun
+from kvlease import LeaseConfig
+from kvlease.cli._demo_scenarios import Bounds, ScenarioResult, ScenarioRun, _reclaim_claim
 from kvlease.cli._demo_steps import MARGIN_FLOOR, STARTUP_CAP, STARTUP_QUIET, STEPS, Calibration, Steps
 
 T0 = 5_000.0  # the parent's monotonic clock: any epoch
@@ -188,3 +189,25 @@ def test_a_demo_whose_deadline_cannot_be_met_says_which_step_waited_for_what() -
     assert detail.startswith("timed out in step ") and "waited for " in detail and "(limit " in detail, detail
     assert any(f"'{name}'" in detail for name, _ in STEPS), detail
     assert detail in proc.stderr  # said on stderr too, when it happens
+
+
+def test_a_late_free_passes_only_when_the_pinners_own_loop_ran_that_late() -> None:
+    bounds = Bounds.from_config(LeaseConfig(kv_lease_duration=2.5, max_access_time=0.25), 0.02)
+    run = _run(2)
+    for key in ("req-0", "req-1"):
+        run.feed("pinner", {"ev": "grant", "key": key, "t": T0})
+    due = bounds.reclaim_deadline(T0, last_heartbeat=None)
+    # req-0 on time; req-1 3 s late, from a loop that itself woke 3.2 s late (starved).
+    run.feed("pinner", {"ev": "free", "key": "req-0", "reason": "expired", "t": due - 0.1, "loop_late": 0.0})
+    run.feed("pinner", {"ev": "free", "key": "req-1", "reason": "expired", "t": due + 3.0, "loop_late": 3.2})
+    res = ScenarioResult("crash", "nixl")
+    _reclaim_claim(run, bounds, None, res)
+    (claim,) = res.claims
+    assert claim.ok and "1 late by up to 3 s, each no more than the pinner's own loop ran late" in claim.text
+    assert res.figures["pinner_loop_late_at_free_s"] == 3.2
+    # The same late free from a loop that ran on time: the core decided late.
+    run.frees["req-1"][0]["loop_late"] = 0.01
+    res = ScenarioResult("crash", "nixl")
+    _reclaim_claim(run, bounds, None, res)
+    (claim,) = res.claims
+    assert not claim.ok and claim.text == "late: req-1 by 3 s (the pinner's loop only 0.01 s)"

@@ -30,7 +30,7 @@ from ..sim import (
     run_seed,
 )
 from ..sim import Cluster as _Cluster
-from ._params import FloatList, FloatTuple, Number
+from ._params import BugName, FloatList, FloatTuple, Number
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -548,8 +548,9 @@ def _replay_record(
 )
 @click.option(
     "--inject-bug",
-    type=click.Choice(sorted(BUGS)),
-    help="Campaign: run a deliberately broken core, to see the campaign fail.",
+    type=BugName(list(BUGS), {}),
+    help="Campaign: run a deliberately broken core, to see the campaign fail (the same name as "
+    "`kvlease check --inject-bug` where both have the bug).",
 )
 @click.option(
     "--max-reports",
