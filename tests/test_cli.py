@@ -130,6 +130,8 @@ BAD_INVOCATIONS: list[tuple[list[str], str, str]] = [
     (["demo", "--requests", "0"], "--requests", "1<=x<=4096"),
     (["demo", "--requests", "5000"], "--requests", "1<=x<=4096"),
     (["demo", "--metrics-port", "65536"], "--metrics-port", "0<=x<=65535"),
+    (["demo", "--patience", "0"], "--patience", "0.0<x<=100.0"),
+    (["demo", "--patience", "nan"], "--patience", "positive factor"),
     (["check", "-p", "3"], "--pinner-ranks", "1, 2 or 4"),
     (["check", "-a", "0"], "--accessor-ranks", "1, 2 or 4"),
     (["check", "--leases", "4"], "--leases", "1<=x<=3"),

@@ -33,12 +33,17 @@ _KEYS = [k for k, _, _ in _COLUMNS]
 _BORDERS = "┓┃┩│┘"  # what the last character of each line of a box table must be
 
 
-def _expected() -> dict[str, dict[str, str]]:
+def _json_run() -> subprocess.Popen[str]:
+    """The same run with ``--json``, started now (it runs beside the terminals)."""
+    argv = [sys.executable, "-m", "kvlease", *_ARGS, "--json"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _expected(proc: subprocess.Popen[str]) -> dict[str, dict[str, str]]:
     """Each policy's cells as the table must show them, from the same run's ``--json``."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kvlease", *_ARGS, "--json"], capture_output=True, text=True, check=True, timeout=120
-    )
-    return {r["policy"]: {k: _fmt(r[k], f) for k, _, f in _COLUMNS} for r in json.loads(out.stdout)["results"]}
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return {r["policy"]: {k: _fmt(r[k], f) for k, _, f in _COLUMNS} for r in json.loads(out)["results"]}
 
 
 def read_tables(screen: str) -> dict[str, dict[str, str]]:
@@ -76,36 +81,40 @@ def read_tables(screen: str) -> dict[str, dict[str, str]]:
     return cells
 
 
-def _tmux(width: int, argv: list[str]) -> str:
-    """What a `width`-column terminal shows after running `argv` (history included)."""
+def _terminals(widths: tuple[int, ...], argv: list[str]) -> dict[int, str]:
+    """What a terminal of each width shows after running `argv` (history included): one tmux
+    server, a session per width, all running at once."""
     server = ["tmux", "-L", f"kvlease-test-{uuid.uuid4().hex[:12]}", "-f", "/dev/null"]
     # COLUMNS and LINES unset: the width must come from the terminal, as it does for a person.
     run = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", sys.executable, "-m", "kvlease", *argv])
     shell = f"{run}; echo __exit=$?; exec sleep 300"
-    new = [*server, "new-session", "-d", "-c", os.getcwd(), "-x", str(width), "-y", "60", shell]
-    subprocess.run(new, check=True, timeout=30)
+    screens: dict[int, str] = {}
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            screen = subprocess.run(
-                [*server, "capture-pane", "-p", "-J", "-S", "-", "-E", "-"],
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=30,
-            ).stdout
-            if "__exit=" in screen or time.monotonic() > deadline:
-                return screen
-            time.sleep(0.2)
+        for w in widths:
+            new = [*server, "new-session", "-d", "-s", f"w{w}", "-c", os.getcwd(), "-x", str(w), "-y", "60", shell]
+            subprocess.run(new, check=True, timeout=30)
+        deadline = time.monotonic() + 240
+        while len(screens) < len(widths) and time.monotonic() < deadline:
+            time.sleep(0.3)
+            for w in widths:
+                if w in screens:
+                    continue
+                capture = [*server, "capture-pane", "-p", "-J", "-t", f"w{w}", "-S", "-", "-E", "-"]
+                screen = subprocess.run(capture, capture_output=True, text=True, check=True, timeout=30).stdout
+                if "__exit=" in screen:
+                    screens[w] = screen
     finally:
         subprocess.run([*server, "kill-server"], capture_output=True, timeout=30)
+    return screens
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)")
 def test_the_table_in_a_real_terminal_shows_every_cell_of_the_json_at_80_100_120_columns() -> None:
-    expected = _expected()
-    for width in (80, 100, 120):
-        screen = _tmux(width, _ARGS)
+    proc = _json_run()
+    screens = _terminals((80, 100, 120), _ARGS)
+    expected = _expected(proc)
+    assert sorted(screens) == [80, 100, 120], "a terminal's run did not finish"
+    for width, screen in screens.items():
         assert "__exit=0" in screen, screen
         text = screen[screen.index("seed 1:") :]  # after the progress bar
         too_wide = [ln for ln in text.splitlines() if len(ln.rstrip()) > width]

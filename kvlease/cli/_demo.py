@@ -8,8 +8,9 @@ and on SIGTERM too), the rich live view, the summary table, ``--json`` output an
 ``--metrics-port`` (the children's driver `TransportStats`, exported through
 `kvlease.transports.metrics`). The process bodies (a `kvlease.transports.Driver` over the real
 ZMQ or NIXL transport each) are in `_demo_proc`; each scenario (timing, fault, judgement, row)
-is one object in `_demo_scenarios`. It never decides anything about a lease: the
-core in each child does.
+is one object in `_demo_scenarios`; when a scenario has waited too long, and what it then says,
+is `_demo_steps` (this module feeds it the events, the time and the starting child's CPU time).
+It never decides anything about a lease: the core in each child does.
 """
 
 from __future__ import annotations
