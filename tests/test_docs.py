@@ -154,6 +154,20 @@ def test_every_metric_a_page_names_exists() -> None:
     assert seen >= 20
 
 
+def test_every_counter_in_a_table_of_counter_names_exists() -> None:
+    """A table headed `<name>` lists counters by their bare name (``vllm:kvlease_<name>_total``,
+    ``kvlease_<name>_total``): each is exported by both adapters unless marked "(vLLM)"."""
+    vllm, collector = _vllm_counters(), _collector_families()
+    tables = [t for p in all_pages() for t in p.tables if t.header[0] == "`<name>`"]
+    assert tables, "the README's 'What to watch' table"
+    for table in tables:
+        for row in table.rows:
+            for name in re.findall(r"`([a-z_]+)`( \(vLLM\))?", row[0]):
+                assert name[0] in vllm, f"{table.where}: {name[0]} is not a vLLM counter"
+                if not name[1]:
+                    assert f"kvlease_{name[0]}" in collector, f"{table.where}: {name[0]} is not exported for SGLang"
+
+
 def _sglang_env() -> set[str]:
     from kvlease.adapters.sglang._settings import ENV
 
