@@ -31,7 +31,7 @@ _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 _TABLE_SEP = re.compile(r"^\s*\|?\s*:?-{3,}:?\s*(\|\s*:?-{3,}:?\s*)*\|?\s*$")
 _IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)[^)]*\)")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)[^)]*\)")
-_REF_DEF = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)")
+_REF_DEF_ML = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)", re.M)
 _INLINE_CODE = re.compile(r"`+[^`]*`+")
 
 
@@ -126,6 +126,15 @@ class Page:
     tables: list[Table]
     images: list[Image]
     links: list[tuple[int, str]]  # (1-based line, target) of every link and image
+    headings: list[str] = field(default_factory=list)
+
+    def anchors(self) -> set[str]:
+        """The fragment ids GitHub gives the page's headings."""
+        out = set()
+        for h in self.headings:
+            s = re.sub(r"[^\w\- ]", "", h.strip().lower().replace("`", ""))
+            out.add(s.replace(" ", "-"))
+        return out
 
     def visible_text(self) -> str:
         """The page without HTML comments (what a reader sees, code included)."""
@@ -164,6 +173,7 @@ def parse(path: Path) -> Page:
     tables: list[Table] = []
     images: list[Image] = []
     links: list[tuple[int, str]] = []
+    headings: list[str] = []
     pending: Marker | None = None
     section_start = 0
     # What separates the last code block from the next element: None when anything but blank
@@ -206,14 +216,10 @@ def parse(path: Path) -> Page:
             continue
         if stripped.startswith("#"):
             section_start = i
+            headings.append(stripped.lstrip("#").strip())
         code_free = _INLINE_CODE.sub("", _COMMENT.sub("", line))
         for m in _IMAGE.finditer(code_free):
             images.append(Image(path, i + 1, m.group(1), pending))
-            links.append((i + 1, m.group(1)))
-        for m in _LINK.finditer(code_free):
-            links.append((i + 1, m.group(1)))
-        if m2 := _REF_DEF.match(code_free):
-            links.append((i + 1, m2.group(1)))
         if stripped.startswith("|") and i + 1 < len(lines) and _TABLE_SEP.match(lines[i + 1]):
             header = split_row(line)
             seps = split_row(lines[i + 1])
@@ -222,9 +228,6 @@ def parse(path: Path) -> Page:
             while j < len(lines) and lines[j].strip().startswith("|"):
                 rows.append(split_row(lines[j]))
                 row_lines.append(j)
-                code_free = _INLINE_CODE.sub("", lines[j])
-                for m in _LINK.finditer(code_free):
-                    links.append((j + 1, m.group(1)))
                 j += 1
             k = j
             while k < len(lines) and not lines[k].strip():
@@ -244,7 +247,26 @@ def parse(path: Path) -> Page:
         if last_block is not None:
             gap_lines += 1 if stripped.endswith(":") else 2
         i += 1
-    return Page(path, lines, blocks, tables, images, links)
+    links = _links(lines, blocks)
+    return Page(path, lines, blocks, tables, images, links, headings)
+
+
+def _links(lines: list[str], blocks: list[Block]) -> list[tuple[int, str]]:
+    """(line, target) of every link, image and reference definition outside code and comments;
+    a link's text may span lines."""
+    prose = list(lines)
+    for b in blocks:  # blank the fenced blocks, fences included, keeping line numbers
+        for k in range(b.line - 1, b.line + b.body.count("\n") + 1):
+            if k < len(prose):
+                prose[k] = ""
+    text = "\n".join(prose)
+    text = _COMMENT.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    text = _INLINE_CODE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    found = []
+    for rx in (_IMAGE, _LINK, _REF_DEF_ML):
+        for m in rx.finditer(text):
+            found.append((text.count("\n", 0, m.start()) + 1, m.group(1)))
+    return sorted(found)
 
 
 def all_pages() -> list[Page]:

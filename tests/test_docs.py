@@ -85,6 +85,9 @@ def test_links_in_docs_resolve(pg: Page) -> None:
             continue
         assert f.exists(), f"{rel(pg.path)}:{line}: {target} -> {f} does not exist"
         assert ROOT in f.parents or f == ROOT, f"{rel(pg.path)}:{line}: {target} points outside the repository"
+        if "#" in target and f.suffix == ".md":
+            fragment = target.split("#", 1)[1]
+            assert fragment in parse(f).anchors(), f"{rel(pg.path)}:{line}: {f.name} has no heading #{fragment}"
 
 
 def test_every_docs_page_is_reachable_from_the_index() -> None:
