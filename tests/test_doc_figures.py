@@ -59,8 +59,9 @@ def _kvlease_json(argv: tuple[str, ...]) -> Any:
 
     result = CliRunner().invoke(main, [*argv, "--json"])
     assert result.exit_code in (0, 1), f"kvlease {shlex.join(argv)} --json exited {result.exit_code}:\n{result.output}"
-    # stdout only: progress lines go to stderr.
-    return json.loads(result.stdout)
+    # stdout only: progress lines go to stderr (a click that mixes them in: skip to the JSON).
+    out = result.stdout
+    return json.loads(out[out.index("{") :] if not out.lstrip().startswith("{") else out)
 
 
 def number(cell: str) -> float | None:
