@@ -21,6 +21,7 @@ import random
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -354,12 +355,27 @@ for prompt in json.loads(sys.stdin.read()):
     with torch.no_grad():
         gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)
-    out[prompt] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    new = gen[0, ids.shape[1]:].tolist()
+    out[prompt] = {"text": tok.decode(new, skip_special_tokens=True), "ids": new}
 print(json.dumps(out))
 """
 
 
-def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, str]:
+@attrs.frozen
+class Reference:
+    """A prompt's greedy completion by ``transformers`` alone: its tokens, and their text."""
+
+    text: str
+    ids: list[int]
+
+    def matches(self, answer: dict[str, Any]) -> bool:
+        """Whether a completion (asked with ``return_token_ids``) is exactly this one. Tokens, not
+        text: a byte-level tokenizer's last token may end inside a UTF-8 character, which vLLM's
+        incremental detokenizer holds back and ``decode`` shows as U+FFFD."""
+        return answer.get("token_ids") == self.ids
+
+
+def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, Reference]:
     """Each prompt's greedy completion computed by ``transformers`` alone (no vLLM, no KV transfer):
     what any correct P/D pair must return for it."""
     proc = subprocess.run(
@@ -373,8 +389,8 @@ def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, str]:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"reference run failed:\n{tail(proc.stderr)}")
-    texts: dict[str, str] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return texts
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {prompt: Reference(r["text"], [int(i) for i in r["ids"]]) for prompt, r in found.items()}
 
 
 @contextlib.contextmanager
@@ -388,3 +404,222 @@ def frozen(*servers: Server) -> Iterator[None]:
     finally:
         for s in servers:
             s.thaw()
+
+
+# -- the fleet the suite, the benchmark and the demo run -------------------------------------
+
+P_BLOCKS = 48  # P's KV cache (blocks of 32 tokens): small, so other requests reuse a freed block
+D_SEQS = 2  # D's sequence slots: two fillers keep a request waiting in D's queue
+MAX_TOKENS = 16
+PROMPTS = {
+    "happy": "def happy_path(x):\n    return",
+    "mixed": "class MixedFleet:\n    def __init__(self):",
+    "overload": "def overloaded_decoder(queue):\n    for item in",
+    "stale": "def lease_victim(x): return x * 2",
+    "killed": "import os\nclass DeadDecoder:",
+}
+ROUTES = ("p_stock->d_stock", "p_kv->d_kv", "p_kv->d_stock", "p_stock->d_kv")
+PAIRS = (("p_stock", "d_stock"), ("p_kv", "d_kv"))
+
+
+def prompt(kind: str, route: str) -> str:
+    """A prompt unique to a scenario and a route (so no prefix cache shares its blocks)."""
+    return f"# {route}\n{PROMPTS[kind]}"
+
+
+class Fleet:
+    """A stock pair (``p_stock``, ``d_stock``: vLLM's own NixlConnector) and a kvlease pair
+    (``p_kv``, ``d_kv``), one router that pairs any P with any D (mixed fleets included), one
+    client, and every scenario prompt's reference completion."""
+
+    def __init__(self, workdir: Path, lease: float) -> None:
+        self.workdir = workdir
+        self.lease = lease
+        self.servers: dict[str, Server] = {}
+        self.router: Router | None = None
+        self.client: Client | None = None
+        self.reference: dict[str, Reference] = {}
+        self.decode_rate = 0.0  # tokens per second of one request on D, measured at start
+        self.startup_s = 0.0
+
+    def start(self) -> None:
+        for connector, suffix in ((STOCK, "stock"), (KVLEASE, "kv")):
+            self.servers[f"p_{suffix}"] = start_server(
+                f"p_{suffix}", connector, PRODUCER, self.workdir, lease=self.lease, blocks=P_BLOCKS
+            )
+            self.servers[f"d_{suffix}"] = start_server(
+                f"d_{suffix}", connector, CONSUMER, self.workdir, lease=self.lease, max_num_seqs=D_SEQS
+            )
+        prompts = [prompt(kind, route) for kind in PROMPTS for route in ROUTES]
+        self.reference = reference_texts(prompts, MAX_TOKENS)  # while the servers start
+        self.startup_s = wait_healthy(list(self.servers.values()))
+        s = self.servers
+        self.router = start_router([s["p_stock"], s["p_kv"]], [s["d_stock"], s["d_kv"]], self.workdir)
+        self.client = Client()
+        # The machine's decode speed now, for fillers that outlast what a scenario waits for.
+        t0 = time.monotonic()
+        self.client.complete(f"{s['d_stock'].url}/v1", "warm up", 32, extra_body={"ignore_eos": True})
+        self.decode_rate = 32 / (time.monotonic() - t0)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.router is not None:
+            self.router.stop()
+        for server in self.servers.values():
+            server.stop()
+
+    def complete(self, p: str, d: str, text: str) -> Future[dict[str, Any]]:
+        """A completion through the router, from P `p` to D `d`, with its token ids."""
+        assert self.client is not None and self.router is not None
+        headers = {"x-kvlease-prefill": p, "x-kvlease-decode": d}
+        body = {"return_token_ids": True}
+        return self.client.submit(self.router.base_url, text, MAX_TOKENS, headers=headers, extra_body=body)
+
+    def fill(self, d: str, seconds: float) -> list[Future[dict[str, Any]]]:
+        """Occupy every sequence slot of decoder `d` for about `seconds` (direct requests)."""
+        assert self.client is not None
+        tokens = max(32, min(900, int(self.decode_rate * seconds)))
+        url = f"{self.servers[d].url}/v1"
+        return [
+            self.client.submit(url, f"filler {i} {time.monotonic()}", tokens, extra_body={"ignore_eos": True})
+            for i in range(D_SEQS)
+        ]
+
+    def fill_both(self, seconds: float) -> list[Future[dict[str, Any]]]:
+        fillers = self.fill("d_kv", seconds) + self.fill("d_stock", seconds)
+        wait_until(
+            lambda: all(self.metric(d, "vllm:num_requests_running") >= D_SEQS for _, d in PAIRS),
+            120,
+            "the decoders' sequence slots to fill",
+        )
+        return fillers
+
+    def metric(self, server: str, name: str) -> float:
+        return self.servers[server].metrics().get(name, 0.0)
+
+    def waiting(self, d: str) -> bool:
+        return self.metric(d, "vllm:num_requests_waiting") >= 1
+
+    def logs(self, *names: str) -> str:
+        return "\n".join(f"--- {n} ---\n{tail(self.servers[n].log(), 15)}" for n in names)
+
+
+@attrs.frozen
+class Outcome:
+    """What one pair served for a scenario's victim."""
+
+    route: str
+    answer: dict[str, Any]
+    reference: Reference
+
+    @property
+    def right(self) -> bool:
+        return self.answer["status"] == 200 and self.reference.matches(self.answer)
+
+    @property
+    def wrong(self) -> bool:
+        """HTTP 200 with a completion that is not the prompt's: another request's KV was used."""
+        return self.answer["status"] == 200 and not self.reference.matches(self.answer)
+
+
+def stale_read(f: Fleet) -> dict[str, Any]:
+    """The production failure, on both pairs at once: D's request waits in its queue, every D
+    process stalls past the lease, P frees the blocks and ten other requests reuse them, D
+    resumes and READs. Returns each pair's `Outcome`, and what kvlease's decoder counted."""
+    assert f.client is not None
+    fillers = f.fill_both(f.lease)
+    victims = {p: (prompt("stale", f"{p}->{d}"), f.complete(p, d, prompt("stale", f"{p}->{d}"))) for p, d in PAIRS}
+    wait_until(lambda: f.waiting("d_kv") and f.waiting("d_stock"), 120, "the victims in the decoders' queues")
+    seen0 = f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
+        "d_kv", "vllm:kvlease_stale_reads_caught_total"
+    )
+    with frozen(f.servers["d_kv"], f.servers["d_stock"]):
+        time.sleep(f.lease + 3)
+        # Other requests through each P: its engine steps (stock's reaper runs then) and their
+        # prompts take every block of P's small cache, the victim's freed ones included.
+        others = [
+            f.client.submit(f"{f.servers[p].url}/v1", f"other {i} " + "tokens " * 300, 1)
+            for p, _ in PAIRS
+            for i in range(10)
+        ]
+        for other in others:
+            other.result(timeout=600)
+    out: dict[str, Any] = {}
+    for p, d in PAIRS:
+        text, future = victims[p]
+        out[p] = Outcome(f"{p}->{d}", future.result(timeout=900), f.reference[text])
+    seen = f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
+        "d_kv", "vllm:kvlease_stale_reads_caught_total"
+    )
+    out["kvlease_saw_lease_end"] = seen > seen0
+    for filler in fillers:
+        filler.result(timeout=900)
+    return out
+
+
+def decoder_killed(f: Fleet) -> dict[str, float | None]:
+    """Both decoders SIGKILLed while their requests wait in their queues: seconds until each P's
+    KV usage is back where it was (None: not within three leases and ten seconds). Leaves the
+    fleet without decoders."""
+    fillers = f.fill_both(f.lease)
+    usage0 = {p: f.metric(p, "vllm:kv_cache_usage_perc") for p, _ in PAIRS}
+    victims = [f.complete(p, d, prompt("killed", f"{p}->{d}")) for p, d in PAIRS]
+    wait_until(lambda: f.waiting("d_kv") and f.waiting("d_stock"), 120, "the victims in the decoders' queues")
+    wait_until(lambda: all(f.metric(p, "vllm:kv_cache_usage_perc") > usage0[p] for p in usage0), 30, "P's blocks")
+    killed_at = time.monotonic()
+    for _, d in PAIRS:
+        f.servers[d].kill()
+    freed: dict[str, float | None] = dict.fromkeys(usage0)
+    deadline = killed_at + 3 * f.lease + 10
+    while time.monotonic() < deadline and None in freed.values():
+        for p in usage0:
+            if freed[p] is None and f.metric(p, "vllm:kv_cache_usage_perc") <= usage0[p]:
+                freed[p] = time.monotonic() - killed_at
+        time.sleep(0.25)
+    for future in [*victims, *fillers]:
+        future.result(timeout=120)  # the dead decoder's requests end (an error), never hang
+    return freed
+
+
+def demo(lease: float) -> int:
+    """Both pairs, the stale read and the decoder crash, the texts side by side."""
+    problem = missing_environment()
+    if problem is not None:
+        print(f"vllm-demo: {problem}")
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="kvlease-vllm-demo-"))
+    f = Fleet(workdir, lease)
+    print(f"starting a stock vLLM pair and a kvlease pair (4 x vllm serve, lease {lease:g} s) ...", flush=True)
+    try:
+        f.start()
+        print(f"healthy after {f.startup_s:.0f} s; logs in {workdir}\n", flush=True)
+        print(f"1. the stale read: each decoder's request waits in its queue, every decoder process stops "
+              f"for {lease + 3:g} s, ten other requests reuse the producer's blocks, the decoder resumes")  # fmt: skip
+        result = stale_read(f)
+        for p, name in (("p_stock", "stock vLLM"), ("p_kv", "kvlease")):
+            o: Outcome = result[p]
+            verdict = "RIGHT" if o.right else ("WRONG (another request's KV)" if o.wrong else "error")
+            print(f"   {name:10s} HTTP {o.answer['status']}  {verdict}")
+            print(f"              served:    {o.answer['text']!r}")
+            print(f"              reference: {o.reference.text!r}")
+        print(f"   kvlease's decoder saw the lease end: {result['kvlease_saw_lease_end']}\n", flush=True)
+        print("2. the decoder crash: each decoder SIGKILLed while its request waits", flush=True)
+        freed = decoder_killed(f)
+        for p, name in (("p_stock", "stock vLLM"), ("p_kv", "kvlease")):
+            t = freed[p]
+            print(f"   {name:10s} P's blocks back after " + (f"{t:.1f} s" if t is not None else "not within the wait"))
+        ok = result["p_kv"].right or result["p_kv"].answer["status"] >= 400
+        return 0 if ok else 1
+    finally:
+        f.stop()
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="kvlease against stock vLLM in real vllm serve pairs")
+    ap.add_argument("command", choices=["demo"])
+    ap.add_argument("--lease", type=float, default=8.0, help="kv_lease_duration of every server, seconds")
+    sys.exit(demo(ap.parse_args().lease))

@@ -396,6 +396,8 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         self._kv_pump: threading.Thread | None = None
         self._kv_events: list[Any] = []  # driver events the pump produced, for the next step
         self._kv_unframed = 0  # non-kvlease notifications dropped (compat off), for vLLM's stats
+        self._kv_work_ns = 0  # time in kvlease's own code not yet reported (WORK_COUNTERS)
+        self._kv_turns = 0
         # vLLM's per-step connector stats, with kvlease's counters in them (see _metrics).
         self.xfer_stats = KvleaseConnectorStats()
         self._kv_counted = dict.fromkeys(KVLEASE_COUNTERS, 0)
@@ -430,12 +432,15 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             with self._kv_lock:
                 driver = self.kvlease_driver
                 if driver is not None:
+                    t0 = time.perf_counter_ns()
                     try:
                         self._kv_drain()
                         self._kv_events.extend(driver.step())
                         busy = driver.next_deadline() is not None
                     except Exception:  # never let the pump die: the engine's steps go on
                         log.exception("kvlease: lease pump step failed")
+                    self._kv_work_ns += time.perf_counter_ns() - t0
+                    self._kv_turns += 1
             self._kv_stop.wait(PUMP_BUSY if busy else PUMP_IDLE)
 
     def shutdown(self) -> None:
@@ -447,6 +452,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             self._kv_start_load(metadata)
 
     def _kv_start_load(self, metadata: Any) -> None:
+        t0 = time.perf_counter_ns()
         kv = getattr(metadata, "kvlease", None) or {}
         driver = self._kv_ensure_driver(kv.get("incarnation"))
         if driver.accessor is not None:
@@ -462,7 +468,15 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             deferred, self._kv_deferred = self._kv_deferred, []
             for req_id, meta in deferred:
                 self._read_blocks_for_req(req_id, meta)
+        t1 = time.perf_counter_ns()
         super().start_load_kv(metadata)
+        t0 += time.perf_counter_ns() - t1  # vLLM's own work is not kvlease's cost
+        try:
+            self._kv_grant(driver, kv)
+        finally:
+            self._kv_work_ns += time.perf_counter_ns() - t0
+
+    def _kv_grant(self, driver: Driver, kv: dict[str, Any]) -> None:
         grants = kv.get("grants", {})
         if grants and driver.pinner is not None:
             if kv.get("incarnation") != self._kv_incarnation:
@@ -641,6 +655,17 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 
     def _kv_transfer_results(self) -> Any:
         res = super().get_transfer_results()
+        t0 = time.perf_counter_ns()
+        try:
+            return self._kv_results(res)
+        finally:
+            self._kv_work_ns += time.perf_counter_ns() - t0
+            self._kv_turns += 1
+            us, self._kv_work_ns = divmod(self._kv_work_ns, 1000)
+            self.xfer_stats.record_kvlease({"lease_work_us": us, "lease_turns": self._kv_turns})
+            self._kv_turns = 0
+
+    def _kv_results(self, res: Any) -> Any:
         for _ in range(self._kv_unframed):
             self.xfer_stats.record_notification_after_expiry()
         self._kv_unframed = 0

@@ -9,7 +9,8 @@ own, answering with one JSON line each on stdout::
     -> {"id": "v1", "status": 200, "text": "...", "error": null, "elapsed": 1.2, "ttft": 0.4}
 
 ``status`` is the HTTP status (0 when no answer came), ``ttft`` the time to the first streamed
-token (streamed requests only). Greedy (``temperature=0``) always.
+token (streamed requests only), ``token_ids`` the completion's tokens when the request asked
+vLLM for them (``"extra_body": {"return_token_ids": true}``). Greedy (``temperature=0``) always.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def client(base_url: str) -> openai.OpenAI:
 
 
 def complete(req: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": req["id"], "status": 0, "text": None, "error": None, "ttft": None}
+    out: dict[str, Any] = {"id": req["id"], "status": 0, "text": None, "token_ids": None, "error": None, "ttft": None}
     start = time.monotonic()
     kwargs: dict[str, Any] = dict(
         model=req.get("model", "tiny"),
@@ -55,7 +56,8 @@ def complete(req: dict[str, Any]) -> dict[str, Any]:
             out.update(status=200, text="".join(parts))
         else:
             answer = client(req["base_url"]).completions.create(**kwargs)
-            out.update(status=200, text=answer.choices[0].text)
+            choice = answer.choices[0]
+            out.update(status=200, text=choice.text, token_ids=(choice.model_extra or {}).get("token_ids"))
     except openai.APIStatusError as e:
         out.update(status=e.status_code, error=str(e)[:500])
     except openai.APIError as e:
