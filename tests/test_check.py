@@ -13,6 +13,7 @@ pinner TP above accessor TP, one outstanding round — and each scope is clean o
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -227,7 +228,8 @@ def test_the_same_scopes_are_clean_on_the_fixed_core() -> None:
 #: The CI scopes: every action family but drop (subsumed by holding a message forever) and
 #: cross-engine misdelivery (one engine), all clock-rate extremes, exhaustive to the depth.
 CI_SCOPES = [
-    Scope(depth=8, without=frozenset({"drop", "cross"})),
+    # Depth 7 in CI (29,588 states; KVLEASE_CHECK_DEPTH=8: 117,395, four times the cost).
+    Scope(depth=int(os.environ.get("KVLEASE_CHECK_DEPTH", "7")), without=frozenset({"drop", "cross"})),
     Scope(depth=6, kinds=("renewable", "fixed", "push"), without=frozenset({"drop", "cross"})),
     Scope(pinner_ranks=2, accessor_ranks=2, depth=6, without=frozenset({"drop", "cross"})),
     Scope(pinner_ranks=1, accessor_ranks=2, depth=5, without=frozenset({"drop", "cross"})),
@@ -249,9 +251,9 @@ def test_fixed_core_has_no_violation_in_the_ci_scope() -> None:
         total += result.states
     wall = time.perf_counter() - t0
     print(f"CI scope: {total:,} states in {wall:.1f} s")
-    assert total > 150_000  # non-trivial: the happy path, faults and time all branch
+    assert total > 100_000  # non-trivial: the happy path, faults and time all branch
     # Its cost stays bounded by the state count (deterministic), never by the wall clock of a
-    # shared machine: ~196k states today, a few minutes on one loaded core.
+    # shared machine: ~108k states today (~196k at depth 8), a few minutes on one loaded core.
     assert total < 400_000
 
 
