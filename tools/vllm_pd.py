@@ -151,10 +151,12 @@ class Server:
         return self.alive() and get(self.url + "/health", timeout=2)[0] == 200
 
     def metrics(self) -> dict[str, float]:
-        status, text = get(self.url + "/metrics")
-        if status != 200:
-            raise RuntimeError(f"{self.name}: /metrics answered {status}: {text[:200]}")
-        return parse_metrics(text)
+        """The server's /metrics now (a loaded machine may take seconds to answer: retried)."""
+        for _ in range(3):
+            status, text = get(self.url + "/metrics", timeout=20)
+            if status == 200:
+                return parse_metrics(text)
+        raise RuntimeError(f"{self.name}: /metrics answered {status}: {text[:200]}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
