@@ -346,10 +346,9 @@ def main() -> None:
                 with lr._lock:
                     now = lr.driver.now()
                     left: dict[str, float | None] = {}
-                    for key in sorted(lr._tracked.get(cmd["room"], set())):
-                        if key.startswith(cmd.get("prefix", "d:")):
-                            vu = lr.accessor.valid_until(key)
-                            left[key] = None if vu is None else vu - now
+                    for key in lr.keys(cmd["room"], cmd.get("prefix", "d:")):
+                        vu = lr.accessor.valid_until(key)
+                        left[key] = None if vu is None else vu - now
                 answer({"ok": True, "left": left, "t": time.time()})
             elif op == "dest_expiry":  # decode: seconds until each destination lease's expiry
                 lr = runtime()
@@ -376,7 +375,7 @@ def main() -> None:
                 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
                 registry = CollectorRegistry()
-                multiprocess.MultiProcessCollector(registry, path=cmd["path"])
+                multiprocess.MultiProcessCollector(registry, path=cmd["path"])  # type: ignore[no-untyped-call]
                 answer({"ok": True, "text": generate_latest(registry).decode()})
             elif op == "compose":  # the hook over another plugin's classes (its AROUND hook inside ours)
                 from kvlease.adapters.sglang import kv_class_hook

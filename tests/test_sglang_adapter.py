@@ -439,7 +439,9 @@ def test_a_client_abort_with_no_write_in_flight_ends_the_lease_at_once(cluster: 
     t = c.d.call("abort", room=room)["t"]
     freed = c.d.call("wait_release_safe", room=room, within=E + G + SLACK)
     assert freed["safe"]
-    assert freed["t"] - t < 0.5, f"the lease of an aborted room no WRITE was running for ended {freed['t'] - t:.2f}s later"
+    assert freed["t"] - t < 0.5, (
+        f"the lease of an aborted room no WRITE was running for ended {freed['t'] - t:.2f}s later"
+    )
     assert c.p1.call("wait", room=room, statuses=["Failed"], within=5)["status"] == "Failed"
     c.p1.call("clear", room=room)
     c.d.call("clear", room=room)
@@ -449,7 +451,9 @@ def test_the_plugin_reports_itself_in_sglangs_logs_and_metrics(cluster: Cluster)
     # At INFO, through SGLang's logging (its root handler and format), on every rank.
     for r in (cluster.p1, cluster.d):
         log = r.tail(200000)
-        line = r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (prefill|decode)\] kvlease: (prefill|decode) rank sglang:\S+ leases on"
+        line = (
+            r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (prefill|decode)\] kvlease: (prefill|decode) rank sglang:\S+ leases on"
+        )
         assert re.search(line, log, re.M), log[-2000:]
     # Where SGLang serves /metrics (--enable-metrics: prometheus_client's multiprocess files,
     # read by MultiProcessCollector in the HTTP server process).
