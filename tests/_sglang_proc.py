@@ -395,6 +395,42 @@ def main() -> None:
                         "leased": any(k.__module__.startswith("kvlease.") for k in cls.__mro__),
                     }
                 answer({"ok": True, "classes": composed})
+            elif op == "queue_drill":  # the plugin's gated queue over SGLang's FastQueue, counted
+                import collections
+                import types
+
+                from kvlease.adapters.sglang._nixl import _GatedQueue
+                from sglang.srt.disaggregation.common.utils import FastQueue  # type: ignore[import-not-found]
+
+                fq = FastQueue()
+                checks: collections.Counter[int] = collections.Counter()
+                ready_rooms = set(cmd["ready"])
+
+                def ready(
+                    chunk: Any, _checks: collections.Counter[int] = checks, _ready: set[int] = ready_rooms
+                ) -> bool:
+                    _checks[chunk.room] += 1
+                    return chunk.room in _ready
+
+                gated = _GatedQueue(fq, ready, cmd["patience"], 0.002, lambda: None)
+                for room_c, idx in cmd["chunks"]:
+                    fq.put(types.SimpleNamespace(room=room_c, idx=idx, is_last_chunk=False))
+                taken: list[dict[str, Any]] = []
+                for n in range(cmd["take"]):
+                    if n == cmd.get("ready_at", -1):
+                        ready_rooms.add(cmd["ready_room"])
+                    before = dict(checks)
+                    t_get = time.monotonic()
+                    chunk = gated.get()
+                    taken.append(
+                        {
+                            "room": chunk.room,
+                            "idx": chunk.idx,
+                            "s": time.monotonic() - t_get,
+                            "checks": {str(k): v - before.get(k, 0) for k, v in checks.items()},
+                        }
+                    )
+                answer({"ok": True, "taken": taken, "can_defer": gated.can_defer})
             elif op == "metrics":
                 from prometheus_client import REGISTRY, generate_latest
 

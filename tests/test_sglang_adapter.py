@@ -409,6 +409,26 @@ def test_a_room_waiting_for_its_lease_does_not_stall_the_worker(cluster: Cluster
         c.d.call("clear", room=room)
 
 
+def test_a_stalled_room_costs_the_rooms_behind_it_one_check_each(cluster: Cluster) -> None:
+    # Counts, over SGLang's own FastQueue: room 900 (two chunks, first in the queue) has no lease
+    # yet; the four rooms behind it are served at once, each after at most one look at room 900;
+    # room 900's chunks follow, in their order, once its lease is there.
+    chunks = [[900, 0], [900, 1], [901, 0], [902, 0], [903, 0], [904, 0]]
+    ready = [901, 902, 903, 904]
+    got = cluster.p2.call("queue_drill", chunks=chunks, ready=ready, patience=30.0, take=6, ready_at=4, ready_room=900)
+    assert got["can_defer"]
+    taken = got["taken"]
+    assert [(t["room"], t["idx"]) for t in taken] == [(901, 0), (902, 0), (903, 0), (904, 0), (900, 0), (900, 1)]
+    for t in taken[:4]:
+        assert t["checks"].get("900", 0) <= 1, t
+        assert t["s"] < 0.1, t
+    # Never ready: handed over after `patience` (the write gate then refuses it), still in order.
+    got = cluster.p2.call("queue_drill", chunks=chunks[:3], ready=[901], patience=0.3, take=3)
+    taken = got["taken"]
+    assert [(t["room"], t["idx"]) for t in taken] == [(901, 0), (900, 0), (900, 1)]
+    assert 0.25 <= taken[1]["s"] <= 0.3 + SLACK and taken[2]["s"] < 0.05, taken
+
+
 def test_every_write_is_gated_not_only_a_chunks_first(cluster: Cluster) -> None:
     # Hole 5: the window is checked before every WRITE of a chunk (S2 is per access), not once
     # per chunk: a WRITE posted after the window lapsed mid-chunk is refused.

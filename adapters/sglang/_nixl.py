@@ -138,17 +138,21 @@ class _GatedQueue:
             return buf.popleft() if buf else None
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
+        looked = False  # each waiting room is looked at once per get, and again after each idle wait
         while True:
-            now = time.monotonic()
-            for room, waiting in list(self._waiting.items()):
-                chunk, since = waiting[0]
-                if now - since >= self._patience or self._ready(chunk):
-                    waiting.popleft()
-                    if not waiting:
-                        del self._waiting[room]
-                    return self._take(chunk)
+            if not looked:
+                looked = True
+                now = time.monotonic()
+                for room, waiting in list(self._waiting.items()):
+                    chunk, since = waiting[0]
+                    if now - since >= self._patience or self._ready(chunk):
+                        waiting.popleft()
+                        if not waiting:
+                            del self._waiting[room]
+                        return self._take(chunk)
             chunk = self._next()
             if chunk is None:
+                looked = False  # nothing new arrived: look at the waiting rooms again
                 continue
             room = getattr(chunk, "room", None)
             behind = self._waiting.get(room)
