@@ -102,7 +102,9 @@ def main() -> None:
     a.kv_data_ptrs = [t.data_ptr() for t in kv]
     a.kv_data_lens = [t.numel() for t in kv]
     a.kv_item_lens = [PAGE_BYTES] * LAYERS
-    a.kv_data_mem_kinds = ["DRAM"] * LAYERS  # CPU: SGLang's default (VRAM) is refused by UCX
+    # CPU: SGLang's default (VRAM) is refused by UCX. A rank started with the host-memory shim
+    # plugin (engines/sglang/shims/dram_plugin) keeps SGLang's VRAM here and lets the shim fix it.
+    a.kv_data_mem_kinds = [os.environ.get("KVLEASE_TEST_KV_MEM_KIND", "DRAM")] * LAYERS
     a.num_draft_entries, a.kv_layer_ids = 0, list(range(LAYERS))
     a.kv_head_num = a.total_kv_head_num = 1
     a.page_size = 1
@@ -187,6 +189,7 @@ def main() -> None:
             "ok": True,
             "classes": classes,
             "manager": type(mgr).__name__,
+            "mro": [k.__name__ for k in type(mgr).__mro__],
             "engine_id": rt.engine_id if rt else None,
             "rank_port": mgr.rank_port,
             "pid": os.getpid(),

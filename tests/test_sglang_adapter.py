@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _sglang_helpers import Rank, free_port, need_sglang
+from _sglang_helpers import ROOT, Rank, free_port, need_sglang
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,17 @@ class Cluster:
         self.prom_dir.mkdir()
         self.p1 = Rank("prefill", self.port1, {**ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.prom_dir)}, tmp / "p1.log")
         self.d = Rank("decode", self.port1, ENV, tmp / "d.log")
-        self.p2 = Rank("prefill", self.port2, ENV, tmp / "p2.log")
+        # P2 loads a second plugin beside kvlease, the host-memory shim (the project's own, as a
+        # CPU deployment runs it): SGLang's VRAM registration is left to it, so P2 starts only if
+        # the two plugins' classes compose.
+        shim = ROOT / "engines" / "sglang" / "shims" / "dram_plugin"
+        p2_env = {
+            **ENV,
+            "SGLANG_PLUGINS": "kvlease,cpu_dram_kv",
+            "KVLEASE_TEST_KV_MEM_KIND": "VRAM",
+            "PYTHONPATH": os.pathsep.join(x for x in (str(shim), os.environ.get("PYTHONPATH", "")) if x),
+        }
+        self.p2 = Rank("prefill", self.port2, p2_env, tmp / "p2.log")
         self.ranks = [self.p1, self.d, self.p2]
         for r in self.ranks:
             r.wait_ready()
@@ -111,7 +121,10 @@ def wait_validity(p: Rank, room: int, at_least: float) -> dict[str, float]:
 
 
 def test_plugin_loads_through_load_plugins(cluster: Cluster) -> None:
-    for r in cluster.ranks:
+    # Beside another plugin's AROUND hook on get_kv_class: both classes apply, whichever is inside.
+    assert {"LeaseManagerMixin", "DramNixlKVManager", "NixlKVManager"} <= set(cluster.p2.hello["mro"])
+    assert "cpu_dram_kv: NIXL KV buffers registered as DRAM" in cluster.p2.tail(100000)
+    for r in (cluster.p1, cluster.d):
         assert r.hello["manager"] == "LeaseNixlKVManager"
         # The module-level get_kv_class copies SGLang's prefill and decode queues call.
         assert r.hello["classes"] == {
