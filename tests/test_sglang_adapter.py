@@ -306,6 +306,7 @@ def test_abort_during_a_non_final_chunk_waits_for_its_write(cluster: Cluster) ->
     pages = c.d.call("pages", pages=dst[:2])["pages"]
     assert all(pages[str(p)] == [[78], [78]] for p in dst[:2]), f"a non-final chunk's WRITE hit reused pages: {pages}"
     assert freed["t"] > posts[-1], "D freed its pages before the chunk's WRITE was even posted"
+    print(f"\nabort during a non-final chunk: D freed {freed['t'] - posts[-1]:.3f}s after its late WRITE was posted")
     c.d.call("clear", room=room)
 
 
@@ -337,6 +338,7 @@ def test_a_post_error_holds_the_pages_to_expiry_plus_guard(cluster: Cluster, las
     )
     assert freed["t"] > posts[-1], "D freed before the WRITE whose post raised was posted"
     assert freed["t"] >= window_end + G - 0.05, f"D freed {window_end + G - freed['t']:.3f}s before expiry + G"
+    print(f"\npost error ({'final' if last else 'non-final'} chunk): D freed {freed['t'] - t_send:.3f}s after the send")
     c.d.call("clear", room=room)
 
 
@@ -412,6 +414,7 @@ def test_a_room_waiting_for_its_lease_does_not_stall_the_worker(cluster: Cluster
         assert st["status"] == "Success", st
         waited = st["t"] - t
         assert waited < I / 2, f"the room behind a stalled one waited {waited:.3f}s (I = {I:.3f}s)"
+        print(f"\nthe room behind a stalled one: sent to Success in {waited:.3f}s (I = {I:.3f}s)")
         # The stalled room never got its lease: refused after a heartbeat interval, nothing posted.
         st = c.p1.call("wait", room=stalled, statuses=["Success", "Failed"], within=I + SLACK + 2)
         assert st["status"] == "Failed" and "kvlease: WRITE not started" in (st["failure"] or ""), st
@@ -474,6 +477,9 @@ def test_a_client_abort_with_no_write_in_flight_ends_the_lease_at_once(cluster: 
     assert freed["safe"]
     assert freed["t"] - t < 0.5, (
         f"the lease of an aborted room no WRITE was running for ended {freed['t'] - t:.2f}s later"
+    )
+    print(
+        f"\nD's destination lease of an aborted room, no WRITE in flight, ended {freed['t'] - t:.3f}s after the abort"
     )
     assert c.p1.call("wait", room=room, statuses=["Failed"], within=5)["status"] == "Failed"
     c.p1.call("clear", room=room)
