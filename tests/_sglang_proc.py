@@ -434,6 +434,10 @@ def main() -> None:
                         }
                     )
                 answer({"ok": True, "taken": taken, "can_defer": gated.can_defer})
+            elif op == "sglang_defaults":  # what SGLang itself says its defaults are
+                from sglang.srt.environ import envs  # type: ignore[import-not-found]
+
+                answer({"ok": True, "defaults": {name: repr(getattr(envs, name).default) for name in cmd["names"]}})
             elif op == "metrics":
                 from prometheus_client import REGISTRY, generate_latest
 

@@ -500,6 +500,21 @@ def test_the_plugin_reports_itself_in_sglangs_logs_and_metrics(cluster: Cluster)
     assert "kvlease_sglang_writes_refused_total" in text and "kvlease_sglang_accesses_total" in text, text[-2000:]
 
 
+def test_the_docs_state_stock_sglangs_defaults(cluster: Cluster) -> None:
+    # docs/sglang.md section 4, row by row, against SGLang 0.5.23's own environ.py.
+    docs = (ROOT / "docs" / "sglang.md").read_text()
+    table = docs.split("## 4. Stock SGLang 0.5.23's defaults", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `(SGLANG_\w+)` \| ([^|]+?) \|", table, re.M))
+    assert len(rows) == 6, rows
+    got = cluster.d.call("sglang_defaults", names=sorted(rows))["defaults"]
+    shown = {"True": "1 (on)", "False": "0 (off)"}
+    for name, value in got.items():
+        assert rows[name] == shown.get(value, value), (name, rows[name], value)
+    assert "**on by default** in 0.5.23" in docs
+    section = (ROOT / "engines" / "sglang" / "README-section.md").read_text()
+    assert "default off" not in section and "on by default" in section
+
+
 def test_the_get_kv_class_hook_composes_with_another_plugins_class(cluster: Cluster) -> None:
     got = cluster.p1.call("compose")["classes"]
     for kind, info in got.items():

@@ -116,13 +116,20 @@ class _GatedQueue:
     `patience` (then the write gate refuses it). Each `get` looks at each waiting room once."""
 
     def __init__(
-        self, queue: Any, ready: Callable[[Any], bool], patience: float, poll: float, on_defer: Callable[[], None]
+        self,
+        queue: Any,
+        ready: Callable[[Any], bool],
+        patience: float,
+        poll: float,
+        on_defer: Callable[[], None],
+        on_unsettled: Callable[[int, set[str]], None] | None = None,
     ) -> None:
         self._queue = queue
         self._ready = ready
         self._patience = patience
         self._poll = poll
         self._on_defer = on_defer
+        self._on_unsettled = on_unsettled
         self._waiting: collections.OrderedDict[Any, collections.deque[tuple[Any, float]]] = collections.OrderedDict()
         cond, buf = getattr(queue, "_cond", None), getattr(queue, "_buf", None)
         #: SGLang's FastQueue has no timed get: wait on its condition (0.5.23's internals).
@@ -170,8 +177,12 @@ class _GatedQueue:
                 continue
             return self._take(chunk)
 
-    @staticmethod
-    def _take(chunk: Any) -> Any:
+    def _take(self, chunk: Any) -> Any:
+        room, marked = getattr(_chunk, "room", None), getattr(_chunk, "marked", None)
+        if room is not None and marked and self._on_unsettled is not None:
+            # The previous chunk ended without SGLang seeing its WRITEs settle (no path of
+            # 0.5.23 does that): their outcome is unknown.
+            self._on_unsettled(room, marked)
         _set_chunk(getattr(chunk, "room", None), bool(getattr(chunk, "is_last_chunk", False)))
         return chunk
 
@@ -319,7 +330,12 @@ class LeaseManagerMixin(_ManagerBase):  # type: ignore[misc]
             if rt is not None:
                 rt.chunks_deferred += 1
 
-        gated = _GatedQueue(queue, self._kvlease_ready, interval, min(0.005, interval / 10), deferred)
+        def unsettled(room: int, marked: set[str]) -> None:
+            rt = self._kvlease
+            if rt is not None:
+                rt.settle(room, marked, clean=False)
+
+        gated = _GatedQueue(queue, self._kvlease_ready, interval, min(0.005, interval / 10), deferred, unsettled)
         if not gated.can_defer:
             logger.warning(
                 "kvlease: this SGLang's transfer queue has no timed wait: "
