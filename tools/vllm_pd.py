@@ -551,10 +551,18 @@ def stale_read(f: Fleet) -> dict[str, Any]:
     for p, d in PAIRS:
         text, future = victims[p]
         out[p] = Outcome(f"{p}->{d}", future.result(timeout=900), f.reference[text])
-    seen = f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
-        "d_kv", "vllm:kvlease_stale_reads_caught_total"
-    )
-    out["kvlease_saw_lease_end"] = seen > seen0
+
+    def seen() -> float:
+        return f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
+            "d_kv", "vllm:kvlease_stale_reads_caught_total"
+        )
+
+    # vLLM publishes a connector's counters with its next stats: give them some seconds.
+    try:
+        wait_until(lambda: seen() > seen0, 30, "kvlease's decoder to count the lease's end", every=1.0)
+        out["kvlease_saw_lease_end"] = True
+    except TimeoutError:
+        out["kvlease_saw_lease_end"] = False
     for filler in fillers:
         filler.result(timeout=900)
     return out
