@@ -538,8 +538,12 @@ def stale_read(f: Fleet) -> dict[str, Any]:
     )
     with frozen(f.servers["d_kv"], f.servers["d_stock"]):
         time.sleep(f.lease + 3)
-        # Other requests through each P: its engine steps (stock's reaper runs then) and their
-        # prompts take every block of P's small cache, the victim's freed ones included.
+        # One request through each P first: its engine steps, and stock vLLM's reaper (which runs
+        # only in a step) frees the expired victim's blocks; then other requests whose prompts
+        # take every block of P's small cache, the victim's freed ones included.
+        for p, _ in PAIRS:
+            f.client.complete(f"{f.servers[p].url}/v1", "step", 1)
+        time.sleep(1.0)
         others = [
             f.client.submit(f"{f.servers[p].url}/v1", f"other {i} " + "tokens " * 300, 1)
             for p, _ in PAIRS
