@@ -46,7 +46,7 @@ def fleet() -> Iterator[pd.Fleet]:
     f = pd.Fleet(workdir, LEASE)
     try:
         f.start()
-        print(f"\nfleet healthy after {f.startup_s:.0f} s; decode {f.decode_rate:.0f} tokens/s")
+        print(f"\nfleet healthy after {f.startup_s:.0f} s; warm-up {f.warmup}; decode {f.decode_rate:.0f} tokens/s")
         yield f
     finally:
         f.stop()

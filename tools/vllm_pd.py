@@ -53,6 +53,12 @@ SERVER_ENV = {
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
     "UCX_NET_DEVICES": "lo",
     "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1",
+    # Four servers share two cores: one compute thread each, and OpenMP threads that sleep when
+    # idle (Intel OpenMP spins 200 ms after every parallel region by default: four idle workers
+    # spinning at 40 % CPU each starved the machine to 2 decoded tokens per second).
+    "OMP_NUM_THREADS": "1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "KMP_BLOCKTIME": "0",
 }
 
 #: The flags both roles share (docs/vllm-serve.md).
@@ -443,6 +449,7 @@ class Fleet:
         self.reference: dict[str, Reference] = {}
         self.decode_rate = 0.0  # tokens per second of one request on D, measured at start
         self.startup_s = 0.0
+        self.warmup: dict[str, int] = {}  # route -> HTTP status of its first-contact completion
 
     def start(self) -> None:
         for connector, suffix in ((STOCK, "stock"), (KVLEASE, "kv")):
@@ -452,12 +459,21 @@ class Fleet:
             self.servers[f"d_{suffix}"] = start_server(
                 f"d_{suffix}", connector, CONSUMER, self.workdir, lease=self.lease, max_num_seqs=D_SEQS
             )
+        started = time.monotonic()
         prompts = [prompt(kind, route) for kind in PROMPTS for route in ROUTES]
         self.reference = reference_texts(prompts, MAX_TOKENS)  # while the servers start
-        self.startup_s = wait_healthy(list(self.servers.values()))
+        wait_healthy(list(self.servers.values()))
+        self.startup_s = time.monotonic() - started
         s = self.servers
         self.router = start_router([s["p_stock"], s["p_kv"]], [s["d_stock"], s["d_kv"]], self.workdir)
         self.client = Client()
+        # First contact: one completion per route, so vLLM's own NIXL handshakes (its side
+        # channel, each producer's agent loaded) are done before the scenarios. On a loaded
+        # machine a first handshake took 16 s, longer than the lease: kvlease then refuses that
+        # first READ (a failed load, recomputed), where stock vLLM's lazy expiry happens to let
+        # it through. What each warm-up did is kept in `warmup`.
+        warm = {route: self.complete(*route.split("->"), f"warm up {route}") for route in ROUTES}
+        self.warmup = {route: future.result(timeout=900)["status"] for route, future in warm.items()}
         # The machine's decode speed now, for fillers that outlast what a scenario waits for.
         t0 = time.monotonic()
         self.client.complete(f"{s['d_stock'].url}/v1", "warm up", 32, extra_body={"ignore_eos": True})
