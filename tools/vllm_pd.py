@@ -472,7 +472,10 @@ class Fleet:
         # machine a first handshake took 16 s, longer than the lease: kvlease then refuses that
         # first READ (a failed load, recomputed), where stock vLLM's lazy expiry happens to let
         # it through. What each warm-up did is kept in `warmup`.
-        warm = {route: self.complete(*route.split("->"), f"warm up {route}") for route in ROUTES}
+        warm = {}
+        for route in ROUTES:
+            p, d = route.split("->")
+            warm[route] = self.complete(p, d, f"warm up {route}")
         self.warmup = {route: future.result(timeout=900)["status"] for route, future in warm.items()}
         # The machine's decode speed now, for fillers that outlast what a scenario waits for.
         t0 = time.monotonic()
