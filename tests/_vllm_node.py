@@ -16,16 +16,44 @@ heartbeats flow while commands are awaited.
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import json
 import os
 import queue
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 BLOCK = 32
+
+
+def use_this_checkout() -> None:
+    """Import kvlease from the checkout this file is in, not from wherever .venv-vllm's editable
+    install points (a git worktree shares the main checkout's environment, whose mapping of
+    ``kvlease.adapters`` / ``kvlease.transports`` would otherwise run the main checkout's code)."""
+    root = Path(__file__).resolve().parents[1]
+    dirs = {
+        "kvlease": root / "kvlease",
+        "kvlease.adapters": root / "adapters",
+        "kvlease.transports": root / "transports",
+        "kvlease.spec": root / "spec",
+    }
+
+    class Checkout(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+            where = dirs.get(name)
+            if where is None:
+                return None
+            return importlib.util.spec_from_file_location(
+                name, where / "__init__.py", submodule_search_locations=[str(where)]
+            )
+
+    sys.meta_path.insert(0, Checkout())
 
 
 def emit(ev: str, **kw: Any) -> None:
@@ -46,7 +74,15 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--bad-config", default="", help="JSON extra config that must fail at build")
+    ap.add_argument(
+        "--build",
+        default="[]",
+        help="JSON list of connector configs to build on the scheduler side at start (vLLM's factory), each "
+        '{"extra": {...}, "policy": "fail", "pp": 2, "role": "kv_consumer"} (defaults: this node\'s): a "built" '
+        "event each, with the error if it failed; what it logged is in the node's log",
+    )
     args = ap.parse_args()
+    use_this_checkout()
 
     import attrs
     import torch
@@ -106,14 +142,14 @@ def main() -> None:
     else:
         conn, module = "NixlConnector", None
 
-    def kv_config(extra_config: dict[str, Any]) -> KVTransferConfig:
+    def kv_config(extra_config: dict[str, Any], policy: str = "recompute", role: str = args.role) -> KVTransferConfig:
         return KVTransferConfig(
             kv_connector=conn,
             kv_connector_module_path=module,
-            kv_role=args.role,
+            kv_role=role,
             engine_id=args.engine_id,
             kv_connector_extra_config=extra_config,
-            kv_load_failure_policy="recompute",
+            kv_load_failure_policy=policy,
         )
 
     t0 = time.monotonic()
@@ -159,6 +195,24 @@ def main() -> None:
             emit("bad_config", error=f"{type(exc).__name__}: {exc}")
         else:
             emit("bad_config", error=None)
+    for i, spec in enumerate(json.loads(args.build)):
+        # Built through vLLM's own factory, as the engine does (scheduler side: its checks and
+        # start-up warnings, in vLLM's log format).
+        import copy
+
+        other = copy.copy(vllm_config)
+        other.kv_transfer_config = kv_config(
+            spec.get("extra", extra), spec.get("policy", "recompute"), spec.get("role", args.role)
+        )
+        if "pp" in spec:
+            other.parallel_config = copy.copy(vllm_config.parallel_config)
+            other.parallel_config.pipeline_parallel_size = int(spec["pp"])
+        try:
+            KVConnectorFactory.create_connector(other, KVConnectorRole.SCHEDULER, kv_cache_config)
+        except Exception as exc:
+            emit("built", i=i, error=f"{type(exc).__name__}: {exc}")
+        else:
+            emit("built", i=i, error=None)
 
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
@@ -233,6 +287,33 @@ def main() -> None:
                 return real_xfer_blocks(*a, **k)
 
             impl0._xfer_blocks = xfer_blocks
+        # A transfer vLLM posted stays "in progress" however NIXL reports it, per request id
+        # (push: the producer's WRITE, the `hold_write` / `release_write` ops; pull: the
+        # decoder's READ, `hold_read` with `seconds`), as a slow transfer would: its handles are
+        # hidden from vLLM's own poll of its transfers, then put back. NIXL sends a READ's
+        # notification only when the reader polls it, so a held READ's access-done waits too.
+        held: dict[str, list[float]] = {}  # request id -> [seconds, since] (since: first seen posted)
+        if impl0 is not None:
+            real_pop = impl0._pop_done_transfers
+
+            def pop_done_transfers(transfers: dict[str, list[int]]) -> Any:
+                if not held:
+                    return real_pop(transfers)
+                now = time.monotonic()
+                for r, hold in list(held.items()):
+                    if r in transfers and hold[1] < 0:
+                        hold[1] = now
+                        emit("held", id=r)
+                    elif hold[1] >= 0 and now >= hold[1] + hold[0]:
+                        del held[r]
+                        emit("unheld", id=r)
+                hidden = {r: transfers.pop(r) for r in list(held) if r in transfers}
+                try:
+                    return real_pop(transfers)
+                finally:
+                    transfers.update(hidden)
+
+            impl0._pop_done_transfers = pop_done_transfers
         scheduler = Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
@@ -264,6 +345,7 @@ def main() -> None:
         worker_impl=type(getattr(worker, "connector_worker", None)).__qualname__,
         scheduler_impl=type(getattr(scheduler.connector, "connector_scheduler", None)).__qualname__,
         kv_cache_shape=list(kv_caches[LAYERS[0]].shape),
+        adapter=getattr(sys.modules.get("kvlease.adapters.vllm"), "__file__", None),
     )
 
     def pattern(rid: str, pos: int, layer: int) -> float:
@@ -333,10 +415,13 @@ def main() -> None:
                 )
                 continue
             rid = cmd["id"]
-            if op in ("hold_write", "release_write"):
-                # test hook: P's WRITE of `rid` stays reported pending until released
-                pending = getattr(worker.connector_worker, "_kv_test_pending")  # noqa: B009
-                (pending.add if op == "hold_write" else pending.discard)(rid)
+            if op in ("hold_write", "hold_read"):
+                # `rid`'s transfer stays reported pending until released or for `seconds` (`held`)
+                held[rid] = [float(cmd.get("seconds", float("inf"))), -1.0]
+                emit(op, id=rid)
+                continue
+            if op == "release_write":
+                held.pop(rid, None)
                 emit(op, id=rid)
                 continue
             if op == "stall_writer":

@@ -27,6 +27,11 @@ descriptors, TP mapping, the READ); only the lease bookkeeping is replaced:
 
 from __future__ import annotations
 
+# First: an unsupported vLLM is refused, saying what to do, before its internals load.
+from ._vllm_check import VLLM_VERSION, VLLM_VERSION_SUPPORTED
+
+# isort: split
+
 import json
 import logging
 import secrets
@@ -58,8 +63,17 @@ from kvlease import (
 )
 
 from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
-from ._settings import AdapterSettings, read_settings, unknown_keys
+from ._settings import (
+    AdapterSettings,
+    TransferBound,
+    check_transfer_bound,
+    largest_access_bytes,
+    read_settings,
+    transfer_bound,
+    unknown_keys,
+)
 from ._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
+from ._version import OVERRIDE_ENV, SUPPORTED_SERIES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,6 +121,13 @@ def warn_if_unnamed(vllm_config: VllmConfig, vllm_name: str, role: KVConnectorRo
     ktc = vllm_config.kv_transfer_config
     if ktc is None or role != KVConnectorRole.SCHEDULER:
         return
+    if not VLLM_VERSION_SUPPORTED:
+        log.warning(
+            "kvlease: vLLM %s is not a release this adapter supports (%s); loaded because %s names it: untested",
+            VLLM_VERSION,
+            ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES),
+            OVERRIDE_ENV,
+        )
     unknown = unknown_keys(ktc.kv_connector_extra_config)
     if unknown:
         log.warning("kvlease: kv_connector_extra_config keys nobody reads (ignored): %s", ", ".join(unknown))
@@ -129,6 +150,50 @@ def warn_if_unnamed(vllm_config: VllmConfig, vllm_name: str, role: KVConnectorRo
 def _settings_of(vllm_config: VllmConfig) -> AdapterSettings:
     ktc = vllm_config.kv_transfer_config
     return read_settings(ktc.kv_connector_extra_config if ktc is not None else None)
+
+
+def transfer_bound_of(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: AdapterSettings
+) -> TransferBound:
+    """This worker's transfer bound: its largest access (every transferred cache group's blocks
+    for a request of ``max_model_len`` tokens, in this worker's own KV layout) at the stated
+    floor (``kvlease_min_bandwidth``)."""
+    groups = kv_cache_config.kv_cache_groups
+    ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
+    per_group = [
+        (int(spec.block_size), int(spec.page_size_bytes) * len(groups[i].layer_names))
+        for i in ids
+        if (spec := groups[i].kv_cache_spec) is not None
+    ]
+    cache = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
+    nbytes = largest_access_bytes(int(vllm_config.model_config.max_model_len), per_group, cache)
+    return transfer_bound(settings, nbytes)
+
+
+def check_at_start_up(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, role: KVConnectorRole, vllm_name: str, *, push: bool
+) -> AdapterSettings:
+    """Everything a connector checks before it starts, on every role: the settings (a bad value
+    raises `ConfigError` naming the key), what the adapter cannot serve (pipeline parallelism),
+    the transfer bound (push: refused when ``max_access_time`` cannot cover the largest WRITE);
+    then the start-up warnings (once per engine, scheduler side, see `warn_if_unnamed`)."""
+    settings = _settings_of(vllm_config)
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    if pp > 1:
+        # The lease transport addresses pipeline stage 0 only: the other stages' workers would
+        # never hear a heartbeat, and free (or be read) outside any lease.
+        raise ValueError(
+            f"kvlease's {vllm_name} does not support pipeline_parallel_size > 1 (got {pp}): its lease messages "
+            f"reach pipeline stage 0 only. Run with pipeline_parallel_size 1 (tensor parallelism is supported), "
+            f"or use vLLM's own {vllm_name} (no kvlease module path) for this engine"
+        )
+    bound = transfer_bound_of(vllm_config, kv_cache_config, settings)
+    warnings = check_transfer_bound(settings, bound, push=push)
+    warn_if_unnamed(vllm_config, vllm_name, role)
+    if role == KVConnectorRole.SCHEDULER:
+        for line in warnings:
+            log.warning("kvlease: %s", line)
+    return settings
 
 
 # -- scheduler side ------------------------------------------------------------------------------
@@ -268,6 +333,8 @@ class _KvleaseWorkerBase:
     to vLLM's `KVConnectorStats` as per-step deltas."""
 
     kvlease_settings: AdapterSettings
+    #: The largest access of this worker and the transfer timeout it sizes (`transfer_bound_of`).
+    kvlease_bound: TransferBound
     kvlease_transport: ConnectorTransport
     kvlease_driver: Driver | None
     engine_id: str
@@ -300,7 +367,7 @@ class _KvleaseWorkerBase:
             pinner=pinner,
             accessor=accessor,
             engine_ttl=s.engine_ttl,
-            transfer_timeout=s.transfer_timeout,
+            transfer_timeout=self.kvlease_bound.timeout,
             vllm_compat=s.vllm_compat,
         )
         return self.kvlease_driver
@@ -328,6 +395,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_settings = _settings_of(vllm_config)
+        self.kvlease_bound = transfer_bound_of(vllm_config, kv_cache_config, self.kvlease_settings)
         self._kv_auth = load_frame_auth(self.kvlease_settings.lease)
         role = vllm_config.kv_transfer_config.kv_role
         # Bidirectional KV transfer: the decoder also holds blocks (turn 1's) for the producer,
@@ -631,8 +699,7 @@ class KvleaseNixlConnector(_KvleaseMetrics, NixlPullConnector):  # type: ignore[
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # Settings first: a bad value fails here, naming the key, before anything starts.
-        _settings_of(vllm_config)
-        warn_if_unnamed(vllm_config, "NixlConnector", role)
+        check_at_start_up(vllm_config, kv_cache_config, role, "NixlConnector", push=False)
         # NixlPullConnector.__init__ would build vLLM's own scheduler or worker (a worker owns a
         # NIXL agent): skip to the base, which sets up what both modes share.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
