@@ -89,6 +89,8 @@ class Node:
         build: list[dict[str, Any]] | None = None,
         max_num_seqs: int = 4,
         log_dir: Path | None = None,
+        tp: int = 1,
+        model: Path = MODEL,
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -116,7 +118,9 @@ class Node:
             "--engine-id",
             name,
             "--model",
-            str(MODEL),
+            str(model),
+            "--tp",
+            str(tp),
             "--extra",
             json.dumps(extra or {}),
             "--max-num-seqs",

@@ -25,6 +25,7 @@ import queue
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,123 @@ def emit(ev: str, **kw: Any) -> None:
     sys.stdout.flush()
 
 
+def pattern(rid: str, pos: int, layer: int) -> float:
+    return float((sum(map(ord, rid)) * 131 + pos * 7 + layer * 1009) % 100003) + 0.5
+
+
+def fill(kv_caches: dict[str, Any], rid: str, block_ids: list[int]) -> None:
+    """The fake prefill forward: every element of `rid`'s blocks (every head this rank holds)."""
+    for li, name in enumerate(LAYERS):
+        t = kv_caches[name]
+        for pos, b in enumerate(block_ids):
+            t[b].fill_(pattern(rid, pos, li))
+
+
+def check(kv_caches: dict[str, Any], rid: str, block_ids: list[int]) -> bool:
+    for li, name in enumerate(LAYERS):
+        t = kv_caches[name]
+        for pos, b in enumerate(block_ids):
+            if not bool((t[b] == pattern(rid, pos, li)).all()):
+                return False
+    return True
+
+
+def start_worker(args: argparse.Namespace, vllm_config: Any, kv_cache_config: Any) -> tuple[Any, dict[str, Any]]:
+    """This process's TP rank: vLLM's distributed state, the worker-side connector built by
+    vLLM (as its global KV transfer group), vLLM's CPU KV cache, registered with the connector."""
+    import torch
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized, get_kv_transfer_group
+    from vllm.v1.attention.backend import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    # As vLLM's CPU worker does before it initializes the distributed state (its CPU
+    # communicator names its shared-memory group after the init method's port).
+    os.environ["VLLM_DIST_IDENT"] = os.environ["KVT_DIST_PORT"]
+    init_distributed_environment(
+        world_size=args.tp,
+        rank=args.worker_rank,
+        distributed_init_method=f"tcp://127.0.0.1:{int(os.environ['KVT_DIST_PORT'])}",
+        local_rank=args.worker_rank,
+        backend="gloo",
+    )
+    ensure_model_parallel_initialized(args.tp, 1)
+    ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
+    worker = get_kv_transfer_group()
+    # vLLM's NIXL worker pins the process to the last core of its NUMA node, for a server
+    # with cores to spare; four instances on one small machine would then share one core.
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    worker.register_kv_caches(kv_caches)
+    return worker, kv_caches
+
+
+def worker_stats(worker: Any) -> dict[str, Any]:
+    import attrs
+
+    impl = getattr(worker, "connector_worker", None)
+    drv = getattr(impl, "kvlease_driver", None)
+    return {
+        "driver": None
+        if drv is None
+        else {k: v for k, v in attrs.asdict(drv.stats).items() if isinstance(v, int | float)},
+        "counters": None if drv is None or drv.pinner is None else attrs.asdict(drv.pinner.counters),
+        "live": None if drv is None or drv.pinner is None else drv.pinner.live_count,
+        "tracked": None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
+        "reqs_to_send": len(getattr(impl, "_reqs_to_send", {})),
+        "push": getattr(impl, "kvlease_push_counts", None),
+    }
+
+
+def sleep_and_wake(worker: Any) -> Any:
+    """vLLM's sleep and wake-up of this rank's KV cache registration (what a worker's ``sleep``
+    / ``wake_up`` do to the connector): its new handshake metadata, for the scheduler."""
+    worker.unregister_kv_caches()
+    worker.restore_kv_caches()
+    return worker.get_handshake_metadata()
+
+
+def tp_worker(args: argparse.Namespace, vllm_config: Any, kv_cache_config: Any) -> None:
+    """TP rank > 0 in its own process: runs each step's scheduler output that rank 0 sends
+    through vLLM's model-runner mixin, the prefill forward faked as on rank 0."""
+    from multiprocessing.connection import Client
+
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    with set_current_vllm_config(vllm_config):
+        worker, kv_caches = start_worker(args, vllm_config, kv_cache_config)
+        # Connected once the distributed state exists: rank 0 accepts only after its own.
+        conn = Client(("127.0.0.1", args.ctl_port), authkey=b"kvt")
+        conn.send((args.worker_rank, worker.get_handshake_metadata()))
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg[0] == "step":
+                so = msg[1]
+                if args.role == "kv_producer":
+                    for nr in so.scheduled_new_reqs:
+                        fill(kv_caches, nr.req_id, list(nr.block_ids[0]))
+                with (
+                    set_forward_context(None, vllm_config),
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
+                ):
+                    pass
+                conn.send(kvo)
+            elif msg[0] == "check":
+                conn.send(check(kv_caches, msg[1], msg[2]))
+            elif msg[0] == "stats":
+                conn.send(worker_stats(worker))
+            elif msg[0] == "sleep":
+                conn.send(sleep_and_wake(worker))
+            else:
+                break
+        worker.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", choices=["kv_producer", "kv_consumer"], required=True)
@@ -73,6 +191,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: TP ranks 1.. run as worker processes")
+    ap.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)  # a TP worker process
+    ap.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)  # rank 0's control listener
     ap.add_argument("--bad-config", default="", help="JSON extra config that must fail at build")
     ap.add_argument(
         "--build",
@@ -84,7 +205,6 @@ def main() -> None:
     args = ap.parse_args()
     use_this_checkout()
 
-    import attrs
     import torch
 
     # As every vLLM process does at start (vllm serve's engine core, its workers).
@@ -94,24 +214,21 @@ def main() -> None:
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
         set_current_vllm_config,
     )
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized, get_kv_transfer_group
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.forward_context import set_forward_context
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.attention.backend import KVCacheLayout
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-    from vllm.v1.worker.utils import allocate_kv_cache
 
     vllm.logger._configure_vllm_root_logger()
     if os.environ.get("KVT_DEBUG"):
@@ -166,12 +283,16 @@ def main() -> None:
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        parallel_config=ParallelConfig(tensor_parallel_size=args.tp),
         kv_transfer_config=kv_config(extra),
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
     vllm_config.cache_config.num_gpu_blocks = args.blocks
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    # Each TP rank holds its share of the model's KV heads (one at least: with more ranks than
+    # heads, vLLM replicates them, and its TP mapping then reads one rank per distinct head).
+    heads = max(1, model_config.get_total_num_kv_heads() // args.tp)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=32, dtype=torch.float32)
     page = spec.page_size_bytes
     nb = args.blocks
     kv_cache_config = KVCacheConfig(
@@ -182,6 +303,10 @@ def main() -> None:
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
     )
     emit("config", seconds=time.monotonic() - t0)
+
+    if args.worker_rank:
+        tp_worker(args, vllm_config, kv_cache_config)
+        return
 
     if args.bad_config:
         # Built through vLLM's own factory, as the engine does; must fail naming the key.
@@ -214,22 +339,27 @@ def main() -> None:
         else:
             emit("built", i=i, error=None)
 
+    # TP ranks 1..: one worker process each, as vLLM's multiprocessing executor runs them; this
+    # process is the engine core (the scheduler) and TP rank 0. Each step's scheduler output goes
+    # to every rank, and their connector outputs are aggregated by vLLM's KVOutputAggregator.
+    ranks: list[Any] = []
+    procs: list[Any] = []
+    if args.tp > 1:
+        import subprocess
+        from multiprocessing.connection import Listener
+
+        listener = Listener(("127.0.0.1", 0), authkey=b"kvt")
+        for r in range(1, args.tp):
+            argv = [*sys.argv[1:], "--worker-rank", str(r), "--ctl-port", str(listener.address[1])]
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=sys.stderr))
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{int(os.environ['KVT_DIST_PORT'])}",
-            local_rank=0,
-            backend="gloo",
-        )
-        ensure_model_parallel_initialized(1, 1)
-        ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
-        worker = get_kv_transfer_group()
-        # vLLM's NIXL worker pins the process to the last core of its NUMA node, for a server
-        # with cores to spare; four instances on one small machine would then share one core.
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
-        worker.register_kv_caches(kv_caches)
+        worker, kv_caches = start_worker(args, vllm_config, kv_cache_config)
+        handshake = {(0, 0): worker.get_handshake_metadata()}
+        for _ in range(1, args.tp):
+            link = listener.accept()
+            rank, md = link.recv()
+            handshake[(0, rank)] = md
+            ranks.append(link)
         if os.environ.get("KVT_DEBUG"):
             impl = worker.connector_worker
             real_send = impl.nixl_wrapper.send_notif
@@ -321,13 +451,16 @@ def main() -> None:
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=BLOCK,
         )
-        scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
+        scheduler.connector.set_xfer_handshake_metadata_pp_aware(handshake)
     # vLLM's own metrics path for connector stats: the scheduler process records what the workers
     # report with the connector's KVConnectorPromMetrics, on vLLM's Prometheus registry.
     import prometheus_client
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
     prom = KVConnectorProm(vllm_config, ["engine"], {0: ["0"]})
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+    aggregator = KVOutputAggregator(args.tp)
 
     def prom_kvlease() -> dict[str, float]:
         out: dict[str, float] = {}
@@ -347,23 +480,6 @@ def main() -> None:
         kv_cache_shape=list(kv_caches[LAYERS[0]].shape),
         adapter=getattr(sys.modules.get("kvlease.adapters.vllm"), "__file__", None),
     )
-
-    def pattern(rid: str, pos: int, layer: int) -> float:
-        return float((sum(map(ord, rid)) * 131 + pos * 7 + layer * 1009) % 100003) + 0.5
-
-    def fill(rid: str, block_ids: list[int]) -> None:
-        for li, name in enumerate(LAYERS):
-            t = kv_caches[name]
-            for pos, b in enumerate(block_ids):
-                t[b].fill_(pattern(rid, pos, li))
-
-    def check(rid: str, block_ids: list[int]) -> bool:
-        for li, name in enumerate(LAYERS):
-            t = kv_caches[name]
-            for pos, b in enumerate(block_ids):
-                if not bool((t[b] == pattern(rid, pos, li)).all()):
-                    return False
-        return True
 
     cmds: queue.Queue[dict[str, Any]] = queue.Queue()
 
@@ -398,21 +514,35 @@ def main() -> None:
                 running = False
                 break
             if op == "stats":
-                impl = getattr(worker, "connector_worker", None)
-                drv = getattr(impl, "kvlease_driver", None)
+                mine = worker_stats(worker)
+                others = []
+                for c in ranks:
+                    c.send(("stats",))
+                    others.append(c.recv())
                 emit(
                     "stats",
-                    driver=None
-                    if drv is None
-                    else {k: v for k, v in attrs.asdict(drv.stats).items() if isinstance(v, int | float)},
-                    counters=None if drv is None or drv.pinner is None else attrs.asdict(drv.pinner.counters),
-                    live=None if drv is None or drv.pinner is None else drv.pinner.live_count,
-                    tracked=None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
-                    reqs_to_send=len(getattr(impl, "_reqs_to_send", {})),
-                    push=getattr(impl, "kvlease_push_counts", None),
+                    **mine,
+                    ranks=[mine, *others],  # every TP rank's, rank 0 first
                     writes_posted=dict(writes_posted),
                     prometheus=prom_kvlease(),
                 )
+                continue
+            if op == "sleep":
+                # vLLM's sleep and wake-up on every rank; the scheduler republishes the new
+                # registration (its generation goes up: decoders handshake again).
+                new_md = {(0, 0): sleep_and_wake(worker)}
+                for r, c in enumerate(ranks, start=1):
+                    c.send(("sleep",))
+                    new_md[(0, r)] = c.recv()
+                connector_scheduler = scheduler.connector.connector_scheduler
+                generation = connector_scheduler._registration_generation
+                scheduler.connector.set_xfer_handshake_metadata_pp_aware(new_md)
+                if connector_scheduler._registration_generation == generation:
+                    # On the CPU the registration of the same buffers comes back byte-identical
+                    # (UCX's keys of host memory), where a GPU's wake-up changes it: the
+                    # generation goes up as vLLM's scheduler counts a changed registration.
+                    connector_scheduler._registration_generation += 1
+                emit("slept", generation=connector_scheduler._registration_generation)
                 continue
             rid = cmd["id"]
             if op in ("hold_write", "hold_read"):
@@ -458,7 +588,7 @@ def main() -> None:
             req = scheduler.requests[nr.req_id]
             blocks = list(nr.block_ids[0])
             if args.role == "kv_producer":
-                fill(nr.req_id, blocks)  # the fake prefill forward
+                fill(kv_caches, nr.req_id, blocks)  # the fake prefill forward
             elif nr.req_id in waiting:
                 waiting[nr.req_id]["blocks"] = blocks
             emit("scheduled", id=nr.req_id, num_computed_tokens=nr.num_computed_tokens, blocks=blocks)
@@ -467,12 +597,18 @@ def main() -> None:
                 first_sched.add(rid)
                 req = scheduler.requests[rid]
                 emit("resumed", id=rid, num_computed_tokens=req.num_computed_tokens)
+        for c in ranks:
+            c.send(("step", so))
         with (
             set_current_vllm_config(vllm_config),
             set_forward_context(None, vllm_config),
             KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
         ):
             pass
+        if ranks:
+            outputs = [types.SimpleNamespace(kv_connector_output=kvo)]
+            outputs += [types.SimpleNamespace(kv_connector_output=c.recv()) for c in ranks]
+            kvo = aggregator.aggregate(outputs).kv_connector_output
         if kvo.kv_connector_stats is not None:
             prom.observe(kvo.kv_connector_stats.data, 0)
         req_ids = list(so.num_scheduled_tokens)
@@ -484,7 +620,11 @@ def main() -> None:
                 loaded = list(scheduler.kv_cache_manager.get_block_ids(rid)[0])
             ok = None
             if not failed and loaded and info is not None:
-                ok = check(info["prefill_id"], loaded[: info["check_blocks"] or len(loaded)])
+                blocks_read = loaded[: info["check_blocks"] or len(loaded)]
+                ok = check(kv_caches, info["prefill_id"], blocks_read)
+                for c in ranks:  # every TP rank's share of the heads
+                    c.send(("check", info["prefill_id"], blocks_read))
+                    ok = bool(c.recv()) and ok
             emit("recv_done", id=rid, failed=failed, match=ok, blocks=loaded)
         for rid in kvo.finished_sending or ():
             emit("freed", id=rid)
@@ -505,8 +645,12 @@ def main() -> None:
                     emit("finished", id=o.request_id, reason=str(o.finish_reason), params=o.kv_transfer_params)
         stepped = True
         time.sleep(args.step_ms / 1000.0)
+    for c in ranks:
+        c.send(("exit",))
     worker.shutdown()
     scheduler.shutdown()
+    for proc in procs:
+        proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

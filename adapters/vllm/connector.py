@@ -34,6 +34,7 @@ from ._vllm_check import VLLM_VERSION, VLLM_VERSION_SUPPORTED
 
 import json
 import logging
+import operator
 import secrets
 import time
 from collections.abc import Mapping
@@ -327,6 +328,15 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 # -- worker side ---------------------------------------------------------------------------------
 
 
+#: Reads every exported driver counter at once (a tuple, in `KVLEASE_COUNTERS` order).
+_READ_COUNTERS = operator.attrgetter(*KVLEASE_COUNTERS)
+#: Counters every heartbeat moves: reported at most this often, seconds (`_kv_record_stats`).
+_STATS_EVERY = 1.0
+_HEARTBEAT_COUNTERS = ("leases_renewed", "heartbeats_sent", "heartbeats_received", "heartbeat_acks_received")
+#: Reads the counters reported in the step they move.
+_READ_AT_ONCE = operator.attrgetter(*(name for name in KVLEASE_COUNTERS if name not in _HEARTBEAT_COUNTERS))
+
+
 class _KvleaseWorkerBase:
     """What the pull and the push worker share: the kvlease driver, built on the first step
     (the pinner needs the incarnation the scheduler sends), and the driver's counters reported
@@ -345,6 +355,10 @@ class _KvleaseWorkerBase:
     _kv_accessor_role: bool
     _kv_incarnation: int | None
     _kv_counted: dict[str, int]
+    #: The driver's counters as last reported, and when the heartbeat counters are next due.
+    _kv_seen: tuple[int, ...] = (0,) * len(KVLEASE_COUNTERS)
+    _kv_seen_at_once: tuple[int, ...] = (0,) * (len(KVLEASE_COUNTERS) - len(_HEARTBEAT_COUNTERS))
+    _kv_stats_due: float = 0.0
 
     def _kv_ensure_driver(self, incarnation: int | None) -> Driver:
         if self.kvlease_driver is not None:
@@ -384,7 +398,23 @@ class _KvleaseWorkerBase:
         return deltas
 
     def _kv_record_stats(self, driver: Driver) -> None:
-        deltas = self._kv_deltas(self._kv_counted, {n: getattr(driver.stats, n) for n in self._kv_counted})
+        """The counters' gains since the last report, into vLLM's stats of this step. A step
+        whose stats are not empty makes vLLM copy them and ship them to the scheduler (another
+        process under TP), so the counters every heartbeat moves (received, renewed, sent,
+        acknowledged) are reported at most every `_STATS_EVERY` seconds, summed; any other
+        counter at once (with the others' gains so far). Checking costs one C-level read of
+        the counters per step."""
+        stats = driver.stats
+        at_once = _READ_AT_ONCE(stats)
+        if at_once == self._kv_seen_at_once and time.monotonic() < self._kv_stats_due:
+            return
+        self._kv_seen_at_once = at_once
+        self._kv_stats_due = time.monotonic() + _STATS_EVERY
+        values = _READ_COUNTERS(stats)
+        if values == self._kv_seen:
+            return
+        self._kv_seen = values
+        deltas = self._kv_deltas(self._kv_counted, dict(zip(KVLEASE_COUNTERS, values, strict=True)))
         if deltas:
             self.xfer_stats.record_kvlease(deltas)
 
@@ -551,8 +581,16 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             # (params mixed up on the way) guards nothing there.
             self._kv_refuse(req_id, f"its ticket is for engine {ticket.engine_id!r}, the READ is from {engine_id!r}")
             return None
-        if engine_id not in self._remote_agents or engine_id in self._invalid_remote_engines:
+        if (
+            engine_id not in self._remote_agents
+            or engine_id in self._invalid_remote_engines
+            or self._remote_registration_generations.get(engine_id, 0) < meta.remote.registration_generation
+        ):
             # vLLM's handshake first (it queues the request again when done) or its failure path.
+            # A newer registration generation (the producer slept and registered its KV cache
+            # again) makes vLLM drop the producer's agents and handshake again: the access begins
+            # when vLLM queues the READ again, not now (an access opened now would still be open
+            # then, and the READ refused).
             super()._read_blocks_for_req(req_id, meta)
             return None
         if not any(len(group) > 0 for group in meta.local_block_ids):
@@ -583,7 +621,32 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         # estimate), not by vLLM's one-shot offset from the handshake.
         meta.remote.blocks_expiry_time = None
         super()._read_blocks_for_req(req_id, meta)
+        if notifs:
+            self._kv_notify_unread(engine_id, req_id, notifs)
         return None
+
+    def _kv_notify_unread(self, engine_id: str, req_id: str, notifs: dict[int, bytes]) -> None:
+        """Hand the access-done to the producer ranks the lease maps this rank to that vLLM's TP
+        mapping does not read. vLLM reads one producer rank per distinct KV head (GQA dedup in
+        ``compute_tp_mapping``: with more producer ranks than KV heads, ranks holding the same
+        head are read once); kvlease's layout names every rank this one maps to, so the skipped
+        ranks would hold their blocks until the lease expired, and a READ that needs their
+        confirmation would wait for answers that never come and be reported stale. Nothing of
+        theirs is read, so nothing can overlap their free. (MLA's unread replicas vLLM notifies
+        itself, with the access-done swapped in by `NotifSwap`.)"""
+        plan = self.tp_mappings.get(engine_id)
+        if plan is None or self.use_mla:
+            return
+        read = set(plan.all_source_ranks)
+        agents = self._remote_agents.get(engine_id, {})
+        for rank, note in notifs.items():
+            agent = None if rank in read else agents.get((0, rank))
+            if agent is None:
+                continue
+            try:
+                self.nixl_wrapper.send_raw(agent, note)
+            except Exception as exc:  # a lost access-done: that rank frees at expiry
+                log.warning("kvlease: access-done for unread producer rank %d of %s not sent: %s", rank, req_id, exc)
 
     def _kv_refuse(self, req_id: str, reason: str) -> None:
         """Do not READ `req_id`: report it to vLLM's scheduler as a failed load."""
@@ -607,39 +670,44 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
     def _get_new_notifs(self) -> set[str]:
         # Every notification goes to the driver: kvlease frames, hellos, and stock vLLM `HB:` /
         # `id:count` (the compat codec), so no request is ever freed by vLLM's own bookkeeping.
+        notifs_by_agent = self.nixl_wrapper.get_new_notifs()
+        if not notifs_by_agent:
+            return set()
         feed = self.kvlease_transport.feed
-        for agent_name, notifs in self.nixl_wrapper.get_new_notifs().items():
+        compat = self.kvlease_settings.vllm_compat
+        for agent_name, notifs in notifs_by_agent.items():
             name = agent_name.decode() if isinstance(agent_name, bytes) else str(agent_name)
             for notif in notifs:
-                data = bytes(notif)
-                if not self.kvlease_settings.vllm_compat and not (
-                    is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)
-                ):
+                data = notif if type(notif) is bytes else bytes(notif)
+                if not compat and not (is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)):
                     self.xfer_stats.record_notification_after_expiry()
                     continue
                 feed(name, data)
         return set()
 
     def get_transfer_results(self) -> Any:
-        res = super().get_transfer_results()
+        return self._kv_transfer_results(super().get_transfer_results())
+
+    def _kv_transfer_results(self, res: Any) -> Any:
+        """vLLM's transfer results of this step, with kvlease's verdicts on READs and its frees
+        (what the step costs with nothing to do is a driver step and a stats check)."""
         driver = self.kvlease_driver
         if driver is None:
             return res
-        transport = self.kvlease_transport
-        for req_id in list(self._kv_reading):
-            if req_id not in res.finished_recving:
-                continue
-            self._kv_reading.discard(req_id)
-            ok = req_id not in res.failed_recving
-            res.finished_recving.discard(req_id)
-            res.failed_recving.discard(req_id)
-            if req_id in self._kv_failed or not transport.complete(req_id, ok):
-                # The accessor gave this access up already (timed out or peer dead).
-                self._kv_forget(req_id)
-                res.finished_recving.add(req_id)
-                res.failed_recving.add(req_id)
-                continue
-            self._kv_verdict.add(req_id)
+        if self._kv_reading and res.finished_recving:
+            transport = self.kvlease_transport
+            for req_id in self._kv_reading & res.finished_recving:
+                self._kv_reading.discard(req_id)
+                ok = req_id not in res.failed_recving
+                res.finished_recving.discard(req_id)
+                res.failed_recving.discard(req_id)
+                if req_id in self._kv_failed or not transport.complete(req_id, ok):
+                    # The accessor gave this access up already (timed out or peer dead).
+                    self._kv_forget(req_id)
+                    res.finished_recving.add(req_id)
+                    res.failed_recving.add(req_id)
+                    continue
+                self._kv_verdict.add(req_id)
         for ev in driver.step():
             if isinstance(ev, Free):
                 if ev.key in self._kv_granted:

@@ -665,10 +665,11 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         return res
 
     def _kv_record_stats(self, driver: Driver) -> None:
-        deltas = self._kv_deltas(self._kv_counted, {n: getattr(driver.stats, n) for n in self._kv_counted})
-        deltas.update(self._kv_deltas(self._kv_push_counted, self.kvlease_push_counts))
-        if deltas:
-            self.xfer_stats.record_kvlease(deltas)
+        super()._kv_record_stats(driver)
+        if self.kvlease_push_counts != self._kv_push_counted:
+            deltas = self._kv_deltas(self._kv_push_counted, self.kvlease_push_counts)
+            if deltas:
+                self.xfer_stats.record_kvlease(deltas)
 
 
 # -- the connector -------------------------------------------------------------------------------
