@@ -1,24 +1,35 @@
 """Per-step lease cost on a vLLM prefill worker: the kvlease adapter against vLLM 0.33.0's own.
 
-For 1k / 10k / 100k pinned requests it runs, on the same load and in one process, one heartbeat
-interval of worker steps with heartbeats arriving, spread over the interval as a decoder's
-queue sends them (each step receives the heartbeat of ``N / steps`` requests; every request is
-renewed once per interval), and prints the mean cost of one step's lease work:
+For 1k / 10k / 100k requests pinned on one prefill worker it runs, on the same load and in one
+process, one heartbeat interval (5 s at vLLM's default 30 s lease) of 10 ms worker steps, and
+prints the mean cost of one step's lease work, in µs, under two loads:
 
-- **vLLM**: the notification loop of ``NixlPullConnectorWorker._get_new_notifs`` for ``HB:``
-  notifications (decode, prefix test) calling vLLM's own ``_handle_heartbeat``, then vLLM's own
-  ``_reap_expired_send_leases`` (a full scan of ``_reqs_to_send``, every step). vLLM's methods
-  are called on a worker object that holds only the state they use (``object.__new__`` of
-  vLLM's worker class: no NIXL agent or KV cache is needed for this part).
-- **kvlease adapter**: what the adapter's worker does with the same heartbeats each step —
-  `ConnectorTransport.feed` of the kvlease frames (the accessor's batched heartbeats, split to
-  the message bound as it sends them), then `Driver.step()` (decode, renew, the acknowledgement
-  sent back through the transport, the pinner's expiry timer) — over a stub NIXL agent that
-  accepts sends and does nothing else.
+- **every step**: a heartbeat arrives on every step, naming ``N / 500`` requests (every request
+  renewed once per interval): the new-request heartbeats of decoders under a steady arrival rate
+  (a kvlease accessor heartbeats a newly tracked lease at once), or 500 decoders each holding a
+  few of this worker's requests.
+- **batched**: each of 8 decoder engines sends one heartbeat per interval naming its share of
+  the requests, at evenly spaced steps: how both engines heartbeat between arrivals (vLLM: one
+  ``HB:`` per decoder and producer per interval; kvlease: one round per interval, split at the
+  message bound).
 
-Also the idle step (no heartbeat arriving). It prints figures and asserts nothing.
-Run (vLLM's environment): ``.venv-vllm/bin/python bench/vllm_adapter.py [--sizes 1000,10000,100000]``.
-Run time: about 30 s.
+And the step with nothing to do (no notification). What runs, on worker objects that hold only
+the state these methods use (``object.__new__`` of each worker class: no NIXL agent or KV cache
+is needed for this part), over a stub NIXL agent that hands out the step's notifications and
+accepts sends:
+
+- **vLLM**: vLLM's own ``NixlPullConnectorWorker._get_new_notifs`` (decode, ``HB:`` test,
+  ``_handle_heartbeat``) and ``_reap_expired_send_leases`` (a full scan of ``_reqs_to_send``,
+  every step).
+- **kvlease adapter**: the adapter's own ``KvleasePullWorker._get_new_notifs`` (the agent's
+  notifications fed to the transport) and its part of ``get_transfer_results``
+  (``_kv_transfer_results``: the driver's step — decode, renew, the acknowledgement sent back,
+  the pinner's expiry timer — its events, and the per-step stats report to vLLM), on a driver
+  the adapter built itself (``_kv_ensure_driver``).
+
+It prints figures and asserts nothing but that the work was done (every lease renewed, nothing
+dropped). Run (vLLM's environment): ``.venv-vllm/bin/python bench/vllm_adapter.py [--sizes
+1000,10000,100000] [--json]``. Run time: about 30 s.
 """
 
 from __future__ import annotations
@@ -33,9 +44,12 @@ from collections import defaultdict
 from typing import Any
 
 try:
+    from kvlease.adapters.vllm._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats
+    from kvlease.adapters.vllm._settings import read_settings, transfer_bound
     from kvlease.adapters.vllm._transport import ConnectorTransport
-    from kvlease.transports import Driver
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+    from kvlease.adapters.vllm.connector import KvleasePullWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 except ImportError as exc:  # one line for a person, not a traceback: where it does run
     sys.exit(
@@ -43,18 +57,27 @@ except ImportError as exc:  # one line for a person, not a traceback: where it d
         "'.venv-vllm/bin/python -m kvlease bench vllm_adapter' (bash dev.sh test creates .venv-vllm)"
     )
 
-from kvlease import Heartbeat, LeaseConfig, LocalTime, Pinner, encode, split_ids
+from kvlease import Heartbeat, LocalTime, encode, split_ids
 from kvlease._codec import heartbeat_id_budget
 
 LEASE = 30.0  # vLLM's default kv_lease_duration
 STEP_S = 0.010  # a worker step every 10 ms
 STEPS = int(LEASE / 6 / STEP_S)  # one heartbeat interval (5 s) of steps: 500
+DECODERS = 8  # the batched load's decoder engines
+INCARNATION = 7
 
 
 class _StubAgent:
-    """Stands in for the NIXL agent: sends go nowhere (their cost is the transport's, not NIXL's)."""
+    """Stands in for the NIXL agent: hands out the notifications queued for this step; sends go
+    nowhere (their cost is the transport's, not NIXL's)."""
 
-    sent = 0
+    def __init__(self) -> None:
+        self.inbox: dict[bytes, list[bytes]] = {}
+        self.sent = 0
+
+    def get_new_notifs(self) -> dict[bytes, list[bytes]]:
+        out, self.inbox = self.inbox, {}
+        return out
 
     def send_notif(self, agent_name: str, notif_msg: bytes = b"") -> None:
         self.sent += 1
@@ -63,117 +86,159 @@ class _StubAgent:
         return b""
 
 
-def _vllm_worker(req_ids: list[str], now: float) -> Any:
-    w = object.__new__(NixlBaseConnectorWorker)
-    w._reqs_to_send = dict.fromkeys(req_ids, now + LEASE)
+# -- the loads: per step, (decoder index, request indices) of each heartbeat ----------------------
+
+
+def every_step_load(n: int) -> list[list[tuple[int, range]]]:
+    per = max(1, n // STEPS)
+    return [[(0, range((s * per) % n, min((s * per) % n + per, n)))] for s in range(STEPS)]
+
+
+def batched_load(n: int) -> list[list[tuple[int, range]]]:
+    steps: list[list[tuple[int, range]]] = [[] for _ in range(STEPS)]
+    share = -(-n // DECODERS)
+    for d in range(DECODERS):
+        steps[d * STEPS // DECODERS].append((d, range(d * share, min((d + 1) * share, n))))
+    return steps
+
+
+LOADS = {"every step": every_step_load, "batched": batched_load}
+
+
+def _time_steps(agent: _StubAgent, inboxes: list[dict[bytes, list[bytes]]], step: Any) -> float:
+    gc.collect()
+    elapsed = 0.0
+    for inbox in inboxes:
+        agent.inbox = inbox
+        t0 = time.perf_counter()
+        step()
+        elapsed += time.perf_counter() - t0
+    return elapsed / len(inboxes)
+
+
+# -- vLLM 0.33.0 ----------------------------------------------------------------------------------
+
+
+def bench_vllm(n: int, load: list[list[tuple[int, range]]]) -> tuple[float, float]:
+    agent = _StubAgent()
+    req_ids = [f"cmpl-{uuid.uuid4().hex}-0" for _ in range(n)]
+    w = object.__new__(NixlPullConnectorWorker)
+    w.nixl_wrapper = agent
+    w.transfer_topo = object()  # only asserted present
+    w._reqs_to_send = dict.fromkeys(req_ids, time.perf_counter() + LEASE)
     w._reqs_to_process = set(req_ids)
     w._lease_extension = int(LEASE) * 2 // 3
     w.consumer_notification_counts_by_req = defaultdict(int)
     w.expected_consumer_notifications_by_req = {}
     w.xfer_stats = NixlKVConnectorStats()
-    return w
+    inboxes: list[dict[bytes, list[bytes]]] = []
+    for step in load:
+        inbox: dict[bytes, list[bytes]] = {}
+        for d, ids in step:
+            inbox.setdefault(f"agent-D{d}".encode(), []).append(("HB:" + ",".join(req_ids[i] for i in ids)).encode())
+        inboxes.append(inbox)
 
-
-def bench_vllm(n: int) -> tuple[float, float]:
-    req_ids = [f"cmpl-{uuid.uuid4().hex}-0" for _ in range(n)]
-    w = _vllm_worker(req_ids, time.perf_counter())
-    per = max(1, n // STEPS)
-    notifs = [("HB:" + ",".join(req_ids[(s * per) % n : (s * per) % n + per])).encode() for s in range(STEPS)]
-    handle, reap = NixlBaseConnectorWorker._handle_heartbeat, NixlBaseConnectorWorker._reap_expired_send_leases
-    gc.collect()
-    t0 = time.perf_counter()
-    for notif in notifs:
-        # vLLM's _get_new_notifs, for a heartbeat notification:
-        msg = notif.decode("utf-8")
-        if msg.startswith("HB:"):
-            handle(w, msg[3:])
-        done: set[str] = set()
-        reap(w, done)
+    def step() -> None:
+        done = NixlPullConnectorWorker._get_new_notifs(w)
+        w._reap_expired_send_leases(done)
         assert not done
-    busy = (time.perf_counter() - t0) / STEPS
-    t0 = time.perf_counter()
-    for _ in range(STEPS):
-        done = set()
-        reap(w, done)
-    idle = (time.perf_counter() - t0) / STEPS
+
+    busy = _time_steps(agent, inboxes, step)
+    idle = _time_steps(agent, [{} for _ in range(STEPS)], step)
     return busy, idle
 
 
-def bench_kvlease(n: int) -> tuple[float, float]:
-    cfg = LeaseConfig(kv_lease_duration=LEASE, vllm_compat=True)
+# -- the kvlease adapter ----------------------------------------------------------------------------
+
+
+def bench_kvlease(n: int, load: list[list[tuple[int, range]]]) -> tuple[float, float]:
     agent = _StubAgent()
-    transport = ConnectorTransport(agent, "P", 0, {}, lambda engine: None)
-    pinner = Pinner(cfg, "P", 7, rank=0, ranks=1)
-    driver = Driver(transport, pinner=pinner, vllm_compat=True)
-    # The decoder's agent, as a completed kvlease handshake leaves it (the hello path is tested
+    settings = read_settings({"kv_lease_duration": LEASE})
+    w = object.__new__(KvleasePullWorker)
+    w.nixl_wrapper = agent
+    w.kvlease_settings = settings
+    w.kvlease_bound = transfer_bound(settings, 1 << 21)
+    w.engine_id, w.transfer_tp_rank, w.transfer_tp_size = "P", 0, 1
+    w._kv_pinner_role, w._kv_accessor_role = True, False
+    w.kvlease_driver = None
+    w.kvlease_transport = transport = ConnectorTransport(agent, "P", 0, {}, lambda engine: None)
+    w.xfer_stats = KvleaseConnectorStats()
+    w._kv_counted = dict.fromkeys(KVLEASE_COUNTERS, 0)
+    w._kv_reading, w._kv_verdict, w._kv_failed, w._kv_lost = set(), set(), set(), set()
+    w._kv_granted, w._reqs_to_process, w._kv_tickets = set(), set(), {}
+    driver = w._kv_ensure_driver(INCARNATION)
+    # Each decoder's agent, as a completed kvlease handshake leaves it (the hello path is tested
     # in tests/test_vllm_adapter.py; here only the per-step cost is measured).
-    transport._peers[("D", 0)] = "agent-D"
-    transport._peer_of["agent-D"] = ("D", 0)
+    for d in range(DECODERS):
+        transport._peers[(f"D{d}", 0)] = f"agent-D{d}"
+        transport._peer_of[f"agent-D{d}"] = (f"D{d}", 0)
     for i in range(n):
-        driver.grant(f"cmpl-{uuid.uuid4().hex}-0", lease_id=i + 1)
-    per = max(1, n // STEPS)
-    budget = heartbeat_id_budget(cfg.max_message_bytes, "D", "P")
-    frames: list[list[bytes]] = []
-    seq = 0
-    for s in range(STEPS):
-        lo = (s * per) % n
-        ids = list(range(lo + 1, min(lo + per, n) + 1))
-        step: list[bytes] = []
-        for chunk in split_ids(ids, budget):
-            seq += 1
-            step.append(encode(Heartbeat("D", 0, 1, 0xD, 7, seq, LocalTime(time.monotonic()), chunk)))
-        frames.append(step)
-    gc.collect()
-    t0 = time.perf_counter()
-    for step in frames:
-        for frame in step:
-            transport.feed("agent-D", frame)
-        events = driver.step()
-        assert not events, events
-    busy = (time.perf_counter() - t0) / STEPS
-    assert driver.stats.leases_renewed >= min(n, STEPS * per) and driver.stats.malformed_messages == 0
-    t0 = time.perf_counter()
-    for _ in range(STEPS):
-        driver.step()
-    idle = (time.perf_counter() - t0) / STEPS
+        key = f"cmpl-{uuid.uuid4().hex}-0"
+        driver.grant(key, lease_id=i + 1)  # as start_load_kv grants the scheduler's lease ids
+        w._kv_granted.add(key)
+        w._reqs_to_process.add(key)
+    seqs = [0] * DECODERS
+    inboxes: list[dict[bytes, list[bytes]]] = []
+    for step in load:
+        inbox: dict[bytes, list[bytes]] = {}
+        for d, ids in step:
+            engine = f"D{d}"
+            budget = heartbeat_id_budget(settings.lease.max_message_bytes, engine, "P")
+            for chunk in split_ids([i + 1 for i in ids], budget):
+                seqs[d] += 1
+                hb = Heartbeat(engine, 0, 1, 0xD0 + d, INCARNATION, seqs[d], LocalTime(time.monotonic()), chunk)
+                inbox.setdefault(f"agent-{engine}".encode(), []).append(encode(hb))
+        inboxes.append(inbox)
+
+    def step() -> None:
+        res = KVConnectorTransferResults(finished_sending=w._get_new_notifs())
+        w._kv_transfer_results(res)
+        assert not res.finished_sending
+
+    sent = agent.sent
+    busy = _time_steps(agent, inboxes, step)
+    stats = driver.stats
+    assert stats.leases_renewed >= n and stats.malformed_messages == stats.rejected_messages == 0, stats
+    assert agent.sent - sent == sum(len(v) for inbox in inboxes for v in inbox.values())  # one ack each
+    idle = _time_steps(agent, [{} for _ in range(STEPS)], step)
     return busy, idle
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        vb, vi = bench_vllm(n)
-        kb, ki = bench_kvlease(n)
-        rows.append(
-            {
-                "pinned": n,
-                "vllm_busy_us": vb * 1e6,
-                "kvlease_busy_us": kb * 1e6,
-                "vllm_idle_us": vi * 1e6,
-                "kvlease_idle_us": ki * 1e6,
-            }
-        )
+        row: dict[str, Any] = {"pinned": n}
+        for name, make in LOADS.items():
+            load = make(n)
+            vb, vi = bench_vllm(n, load)
+            kb, ki = bench_kvlease(n, load)
+            row[name] = {"vllm_us": vb * 1e6, "kvlease_us": kb * 1e6}
+        row["idle"] = {"vllm_us": vi * 1e6, "kvlease_us": ki * 1e6}
+        rows.append(row)
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         return
     print(
-        f"per-step lease cost on a prefill worker, {STEPS} steps (one {LEASE / 6:.0f} s heartbeat interval "
-        f"at {STEP_S * 1e3:.0f} ms/step), heartbeats spread over the interval"
+        f"per-step lease cost on a prefill worker, µs: {STEPS} steps (one {LEASE / 6:.0f} s heartbeat interval "
+        f"at {STEP_S * 1e3:.0f} ms/step); every step: a heartbeat on each step; batched: {DECODERS} decoders, "
+        "one heartbeat each per interval"
     )
     print(
-        "| pinned requests | vLLM 0.33.0 (µs/step) | kvlease adapter (µs/step) | vLLM / kvlease | "
-        "idle step: vLLM | idle step: kvlease |"
+        "| pinned requests | every step: vLLM | every step: kvlease | vLLM / kvlease "
+        "| batched: vLLM | batched: kvlease | vLLM / kvlease | idle: vLLM | idle: kvlease |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(
-            f"| {r['pinned']:,} | {r['vllm_busy_us']:.1f} | {r['kvlease_busy_us']:.1f} | "
-            f"{r['vllm_busy_us'] / r['kvlease_busy_us']:.1f}x | {r['vllm_idle_us']:.1f} | {r['kvlease_idle_us']:.1f} |"
-        )
+        cells = [f"{r['pinned']:,}"]
+        for name in LOADS:
+            v, k = r[name]["vllm_us"], r[name]["kvlease_us"]
+            cells += [f"{v:.1f}", f"{k:.1f}", f"{v / k:.1f}x"]
+        cells += [f"{r['idle']['vllm_us']:.1f}", f"{r['idle']['kvlease_us']:.1f}"]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

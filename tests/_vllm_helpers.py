@@ -19,7 +19,23 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _main_checkout(root: Path) -> Path | None:
+    """The main checkout of the git worktree `root` (None when `root` is not a linked worktree)."""
+    try:
+        gitdir = Path((root / ".git").read_text().split("gitdir:", 1)[1].strip())
+        common = (gitdir / (gitdir / "commondir").read_text().strip()).resolve()
+    except (OSError, IndexError):
+        return None
+    return common.parent
+
+
 VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
+if not VENV_PY.exists() and (main := _main_checkout(ROOT)) is not None:
+    # A git worktree shares its main checkout's .venv-vllm; the nodes still import kvlease from
+    # this checkout (`_vllm_node.use_this_checkout`), not from the main one it is installed from.
+    VENV_PY = main / ".venv-vllm" / "bin" / "python"
 #: A complete model directory without weights (a tiny Llama: vLLM reads only config.json here).
 MODEL = ROOT / "engines" / "vllm" / "tiny-llama"
 NODE = Path(__file__).resolve().parent / "_vllm_node.py"
@@ -70,8 +86,11 @@ class Node:
         *,
         extra: dict[str, Any] | None = None,
         bad_config: dict[str, Any] | None = None,
+        build: list[dict[str, Any]] | None = None,
         max_num_seqs: int = 4,
         log_dir: Path | None = None,
+        tp: int = 1,
+        model: Path = MODEL,
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -99,7 +118,9 @@ class Node:
             "--engine-id",
             name,
             "--model",
-            str(MODEL),
+            str(model),
+            "--tp",
+            str(tp),
             "--extra",
             json.dumps(extra or {}),
             "--max-num-seqs",
@@ -107,6 +128,8 @@ class Node:
         ]
         if bad_config is not None:
             cmd += ["--bad-config", json.dumps(bad_config)]
+        if build:
+            cmd += ["--build", json.dumps(build)]
         self.log_path = (log_dir or Path("/tmp")) / f"vllm-node-{name}-{os.getpid()}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(

@@ -16,16 +16,45 @@ heartbeats flow while commands are awaited.
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import json
 import os
 import queue
 import sys
 import threading
 import time
+import types
+from pathlib import Path
 from typing import Any
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 BLOCK = 32
+
+
+def use_this_checkout() -> None:
+    """Import kvlease from the checkout this file is in, not from wherever .venv-vllm's editable
+    install points (a git worktree shares the main checkout's environment, whose mapping of
+    ``kvlease.adapters`` / ``kvlease.transports`` would otherwise run the main checkout's code)."""
+    root = Path(__file__).resolve().parents[1]
+    dirs = {
+        "kvlease": root / "kvlease",
+        "kvlease.adapters": root / "adapters",
+        "kvlease.transports": root / "transports",
+        "kvlease.spec": root / "spec",
+    }
+
+    class Checkout(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+            where = dirs.get(name)
+            if where is None:
+                return None
+            return importlib.util.spec_from_file_location(
+                name, where / "__init__.py", submodule_search_locations=[str(where)]
+            )
+
+    sys.meta_path.insert(0, Checkout())
 
 
 def emit(ev: str, **kw: Any) -> None:
@@ -33,6 +62,123 @@ def emit(ev: str, **kw: Any) -> None:
     kw.setdefault("t", time.monotonic())
     sys.stdout.write("EV " + json.dumps(kw) + "\n")
     sys.stdout.flush()
+
+
+def pattern(rid: str, pos: int, layer: int) -> float:
+    return float((sum(map(ord, rid)) * 131 + pos * 7 + layer * 1009) % 100003) + 0.5
+
+
+def fill(kv_caches: dict[str, Any], rid: str, block_ids: list[int]) -> None:
+    """The fake prefill forward: every element of `rid`'s blocks (every head this rank holds)."""
+    for li, name in enumerate(LAYERS):
+        t = kv_caches[name]
+        for pos, b in enumerate(block_ids):
+            t[b].fill_(pattern(rid, pos, li))
+
+
+def check(kv_caches: dict[str, Any], rid: str, block_ids: list[int]) -> bool:
+    for li, name in enumerate(LAYERS):
+        t = kv_caches[name]
+        for pos, b in enumerate(block_ids):
+            if not bool((t[b] == pattern(rid, pos, li)).all()):
+                return False
+    return True
+
+
+def start_worker(args: argparse.Namespace, vllm_config: Any, kv_cache_config: Any) -> tuple[Any, dict[str, Any]]:
+    """This process's TP rank: vLLM's distributed state, the worker-side connector built by
+    vLLM (as its global KV transfer group), vLLM's CPU KV cache, registered with the connector."""
+    import torch
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized, get_kv_transfer_group
+    from vllm.v1.attention.backend import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    # As vLLM's CPU worker does before it initializes the distributed state (its CPU
+    # communicator names its shared-memory group after the init method's port).
+    os.environ["VLLM_DIST_IDENT"] = os.environ["KVT_DIST_PORT"]
+    init_distributed_environment(
+        world_size=args.tp,
+        rank=args.worker_rank,
+        distributed_init_method=f"tcp://127.0.0.1:{int(os.environ['KVT_DIST_PORT'])}",
+        local_rank=args.worker_rank,
+        backend="gloo",
+    )
+    ensure_model_parallel_initialized(args.tp, 1)
+    ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
+    worker = get_kv_transfer_group()
+    # vLLM's NIXL worker pins the process to the last core of its NUMA node, for a server
+    # with cores to spare; four instances on one small machine would then share one core.
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    worker.register_kv_caches(kv_caches)
+    return worker, kv_caches
+
+
+def worker_stats(worker: Any) -> dict[str, Any]:
+    import attrs
+
+    impl = getattr(worker, "connector_worker", None)
+    drv = getattr(impl, "kvlease_driver", None)
+    return {
+        "driver": None
+        if drv is None
+        else {k: v for k, v in attrs.asdict(drv.stats).items() if isinstance(v, int | float)},
+        "counters": None if drv is None or drv.pinner is None else attrs.asdict(drv.pinner.counters),
+        "live": None if drv is None or drv.pinner is None else drv.pinner.live_count,
+        "tracked": None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
+        "reqs_to_send": len(getattr(impl, "_reqs_to_send", {})),
+        "push": getattr(impl, "kvlease_push_counts", None),
+    }
+
+
+def sleep_and_wake(worker: Any) -> Any:
+    """vLLM's sleep and wake-up of this rank's KV cache registration (what a worker's ``sleep``
+    / ``wake_up`` do to the connector): its new handshake metadata, for the scheduler."""
+    worker.unregister_kv_caches()
+    worker.restore_kv_caches()
+    return worker.get_handshake_metadata()
+
+
+def tp_worker(args: argparse.Namespace, vllm_config: Any, kv_cache_config: Any) -> None:
+    """TP rank > 0 in its own process: runs each step's scheduler output that rank 0 sends
+    through vLLM's model-runner mixin, the prefill forward faked as on rank 0."""
+    from multiprocessing.connection import Client
+
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    with set_current_vllm_config(vllm_config):
+        worker, kv_caches = start_worker(args, vllm_config, kv_cache_config)
+        # Connected once the distributed state exists: rank 0 accepts only after its own.
+        conn = Client(("127.0.0.1", args.ctl_port), authkey=b"kvt")
+        conn.send((args.worker_rank, worker.get_handshake_metadata()))
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg[0] == "step":
+                so = msg[1]
+                if args.role == "kv_producer":
+                    for nr in so.scheduled_new_reqs:
+                        fill(kv_caches, nr.req_id, list(nr.block_ids[0]))
+                with (
+                    set_forward_context(None, vllm_config),
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
+                ):
+                    pass
+                conn.send(kvo)
+            elif msg[0] == "check":
+                conn.send(check(kv_caches, msg[1], msg[2]))
+            elif msg[0] == "stats":
+                conn.send(worker_stats(worker))
+            elif msg[0] == "sleep":
+                conn.send(sleep_and_wake(worker))
+            else:
+                break
+        worker.shutdown()
 
 
 def main() -> None:
@@ -45,10 +191,20 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: TP ranks 1.. run as worker processes")
+    ap.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)  # a TP worker process
+    ap.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)  # rank 0's control listener
     ap.add_argument("--bad-config", default="", help="JSON extra config that must fail at build")
+    ap.add_argument(
+        "--build",
+        default="[]",
+        help="JSON list of connector configs to build on the scheduler side at start (vLLM's factory), each "
+        '{"extra": {...}, "policy": "fail", "pp": 2, "role": "kv_consumer"} (defaults: this node\'s): a "built" '
+        "event each, with the error if it failed; what it logged is in the node's log",
+    )
     args = ap.parse_args()
+    use_this_checkout()
 
-    import attrs
     import torch
 
     # As every vLLM process does at start (vllm serve's engine core, its workers).
@@ -58,24 +214,21 @@ def main() -> None:
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
         set_current_vllm_config,
     )
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.distributed.kv_transfer import ensure_kv_transfer_initialized, get_kv_transfer_group
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.forward_context import set_forward_context
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.attention.backend import KVCacheLayout
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-    from vllm.v1.worker.utils import allocate_kv_cache
 
     vllm.logger._configure_vllm_root_logger()
     if os.environ.get("KVT_DEBUG"):
@@ -106,14 +259,14 @@ def main() -> None:
     else:
         conn, module = "NixlConnector", None
 
-    def kv_config(extra_config: dict[str, Any]) -> KVTransferConfig:
+    def kv_config(extra_config: dict[str, Any], policy: str = "recompute", role: str = args.role) -> KVTransferConfig:
         return KVTransferConfig(
             kv_connector=conn,
             kv_connector_module_path=module,
-            kv_role=args.role,
+            kv_role=role,
             engine_id=args.engine_id,
             kv_connector_extra_config=extra_config,
-            kv_load_failure_policy="recompute",
+            kv_load_failure_policy=policy,
         )
 
     t0 = time.monotonic()
@@ -130,12 +283,16 @@ def main() -> None:
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
+        parallel_config=ParallelConfig(tensor_parallel_size=args.tp),
         kv_transfer_config=kv_config(extra),
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
     vllm_config.cache_config.num_gpu_blocks = args.blocks
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    # Each TP rank holds its share of the model's KV heads (one at least: with more ranks than
+    # heads, vLLM replicates them, and its TP mapping then reads one rank per distinct head).
+    heads = max(1, model_config.get_total_num_kv_heads() // args.tp)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=32, dtype=torch.float32)
     page = spec.page_size_bytes
     nb = args.blocks
     kv_cache_config = KVCacheConfig(
@@ -146,6 +303,10 @@ def main() -> None:
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
     )
     emit("config", seconds=time.monotonic() - t0)
+
+    if args.worker_rank:
+        tp_worker(args, vllm_config, kv_cache_config)
+        return
 
     if args.bad_config:
         # Built through vLLM's own factory, as the engine does; must fail naming the key.
@@ -159,23 +320,46 @@ def main() -> None:
             emit("bad_config", error=f"{type(exc).__name__}: {exc}")
         else:
             emit("bad_config", error=None)
+    for i, spec in enumerate(json.loads(args.build)):
+        # Built through vLLM's own factory, as the engine does (scheduler side: its checks and
+        # start-up warnings, in vLLM's log format).
+        import copy
 
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{int(os.environ['KVT_DIST_PORT'])}",
-            local_rank=0,
-            backend="gloo",
+        other = copy.copy(vllm_config)
+        other.kv_transfer_config = kv_config(
+            spec.get("extra", extra), spec.get("policy", "recompute"), spec.get("role", args.role)
         )
-        ensure_model_parallel_initialized(1, 1)
-        ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
-        worker = get_kv_transfer_group()
-        # vLLM's NIXL worker pins the process to the last core of its NUMA node, for a server
-        # with cores to spare; four instances on one small machine would then share one core.
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
-        worker.register_kv_caches(kv_caches)
+        if "pp" in spec:
+            other.parallel_config = copy.copy(vllm_config.parallel_config)
+            other.parallel_config.pipeline_parallel_size = int(spec["pp"])
+        try:
+            KVConnectorFactory.create_connector(other, KVConnectorRole.SCHEDULER, kv_cache_config)
+        except Exception as exc:
+            emit("built", i=i, error=f"{type(exc).__name__}: {exc}")
+        else:
+            emit("built", i=i, error=None)
+
+    # TP ranks 1..: one worker process each, as vLLM's multiprocessing executor runs them; this
+    # process is the engine core (the scheduler) and TP rank 0. Each step's scheduler output goes
+    # to every rank, and their connector outputs are aggregated by vLLM's KVOutputAggregator.
+    ranks: list[Any] = []
+    procs: list[Any] = []
+    if args.tp > 1:
+        import subprocess
+        from multiprocessing.connection import Listener
+
+        listener = Listener(("127.0.0.1", 0), authkey=b"kvt")
+        for r in range(1, args.tp):
+            argv = [*sys.argv[1:], "--worker-rank", str(r), "--ctl-port", str(listener.address[1])]
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=sys.stderr))
+    with set_current_vllm_config(vllm_config):
+        worker, kv_caches = start_worker(args, vllm_config, kv_cache_config)
+        handshake = {(0, 0): worker.get_handshake_metadata()}
+        for _ in range(1, args.tp):
+            link = listener.accept()
+            rank, md = link.recv()
+            handshake[(0, rank)] = md
+            ranks.append(link)
         if os.environ.get("KVT_DEBUG"):
             impl = worker.connector_worker
             real_send = impl.nixl_wrapper.send_notif
@@ -233,6 +417,33 @@ def main() -> None:
                 return real_xfer_blocks(*a, **k)
 
             impl0._xfer_blocks = xfer_blocks
+        # A transfer vLLM posted stays "in progress" however NIXL reports it, per request id
+        # (push: the producer's WRITE, the `hold_write` / `release_write` ops; pull: the
+        # decoder's READ, `hold_read` with `seconds`), as a slow transfer would: its handles are
+        # hidden from vLLM's own poll of its transfers, then put back. NIXL sends a READ's
+        # notification only when the reader polls it, so a held READ's access-done waits too.
+        held: dict[str, list[float]] = {}  # request id -> [seconds, since] (since: first seen posted)
+        if impl0 is not None:
+            real_pop = impl0._pop_done_transfers
+
+            def pop_done_transfers(transfers: dict[str, list[int]]) -> Any:
+                if not held:
+                    return real_pop(transfers)
+                now = time.monotonic()
+                for r, hold in list(held.items()):
+                    if r in transfers and hold[1] < 0:
+                        hold[1] = now
+                        emit("held", id=r)
+                    elif hold[1] >= 0 and now >= hold[1] + hold[0]:
+                        del held[r]
+                        emit("unheld", id=r)
+                hidden = {r: transfers.pop(r) for r in list(held) if r in transfers}
+                try:
+                    return real_pop(transfers)
+                finally:
+                    transfers.update(hidden)
+
+            impl0._pop_done_transfers = pop_done_transfers
         scheduler = Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
@@ -240,13 +451,16 @@ def main() -> None:
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=BLOCK,
         )
-        scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): worker.get_handshake_metadata()})
+        scheduler.connector.set_xfer_handshake_metadata_pp_aware(handshake)
     # vLLM's own metrics path for connector stats: the scheduler process records what the workers
     # report with the connector's KVConnectorPromMetrics, on vLLM's Prometheus registry.
     import prometheus_client
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
     prom = KVConnectorProm(vllm_config, ["engine"], {0: ["0"]})
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+    aggregator = KVOutputAggregator(args.tp)
 
     def prom_kvlease() -> dict[str, float]:
         out: dict[str, float] = {}
@@ -264,24 +478,8 @@ def main() -> None:
         worker_impl=type(getattr(worker, "connector_worker", None)).__qualname__,
         scheduler_impl=type(getattr(scheduler.connector, "connector_scheduler", None)).__qualname__,
         kv_cache_shape=list(kv_caches[LAYERS[0]].shape),
+        adapter=getattr(sys.modules.get("kvlease.adapters.vllm"), "__file__", None),
     )
-
-    def pattern(rid: str, pos: int, layer: int) -> float:
-        return float((sum(map(ord, rid)) * 131 + pos * 7 + layer * 1009) % 100003) + 0.5
-
-    def fill(rid: str, block_ids: list[int]) -> None:
-        for li, name in enumerate(LAYERS):
-            t = kv_caches[name]
-            for pos, b in enumerate(block_ids):
-                t[b].fill_(pattern(rid, pos, li))
-
-    def check(rid: str, block_ids: list[int]) -> bool:
-        for li, name in enumerate(LAYERS):
-            t = kv_caches[name]
-            for pos, b in enumerate(block_ids):
-                if not bool((t[b] == pattern(rid, pos, li)).all()):
-                    return False
-        return True
 
     cmds: queue.Queue[dict[str, Any]] = queue.Queue()
 
@@ -316,27 +514,44 @@ def main() -> None:
                 running = False
                 break
             if op == "stats":
-                impl = getattr(worker, "connector_worker", None)
-                drv = getattr(impl, "kvlease_driver", None)
+                mine = worker_stats(worker)
+                others = []
+                for c in ranks:
+                    c.send(("stats",))
+                    others.append(c.recv())
                 emit(
                     "stats",
-                    driver=None
-                    if drv is None
-                    else {k: v for k, v in attrs.asdict(drv.stats).items() if isinstance(v, int | float)},
-                    counters=None if drv is None or drv.pinner is None else attrs.asdict(drv.pinner.counters),
-                    live=None if drv is None or drv.pinner is None else drv.pinner.live_count,
-                    tracked=None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
-                    reqs_to_send=len(getattr(impl, "_reqs_to_send", {})),
-                    push=getattr(impl, "kvlease_push_counts", None),
+                    **mine,
+                    ranks=[mine, *others],  # every TP rank's, rank 0 first
                     writes_posted=dict(writes_posted),
                     prometheus=prom_kvlease(),
                 )
                 continue
+            if op == "sleep":
+                # vLLM's sleep and wake-up on every rank; the scheduler republishes the new
+                # registration (its generation goes up: decoders handshake again).
+                new_md = {(0, 0): sleep_and_wake(worker)}
+                for r, c in enumerate(ranks, start=1):
+                    c.send(("sleep",))
+                    new_md[(0, r)] = c.recv()
+                connector_scheduler = scheduler.connector.connector_scheduler
+                generation = connector_scheduler._registration_generation
+                scheduler.connector.set_xfer_handshake_metadata_pp_aware(new_md)
+                if connector_scheduler._registration_generation == generation:
+                    # On the CPU the registration of the same buffers comes back byte-identical
+                    # (UCX's keys of host memory), where a GPU's wake-up changes it: the
+                    # generation goes up as vLLM's scheduler counts a changed registration.
+                    connector_scheduler._registration_generation += 1
+                emit("slept", generation=connector_scheduler._registration_generation)
+                continue
             rid = cmd["id"]
-            if op in ("hold_write", "release_write"):
-                # test hook: P's WRITE of `rid` stays reported pending until released
-                pending = getattr(worker.connector_worker, "_kv_test_pending")  # noqa: B009
-                (pending.add if op == "hold_write" else pending.discard)(rid)
+            if op in ("hold_write", "hold_read"):
+                # `rid`'s transfer stays reported pending until released or for `seconds` (`held`)
+                held[rid] = [float(cmd.get("seconds", float("inf"))), -1.0]
+                emit(op, id=rid)
+                continue
+            if op == "release_write":
+                held.pop(rid, None)
                 emit(op, id=rid)
                 continue
             if op == "stall_writer":
@@ -373,7 +588,7 @@ def main() -> None:
             req = scheduler.requests[nr.req_id]
             blocks = list(nr.block_ids[0])
             if args.role == "kv_producer":
-                fill(nr.req_id, blocks)  # the fake prefill forward
+                fill(kv_caches, nr.req_id, blocks)  # the fake prefill forward
             elif nr.req_id in waiting:
                 waiting[nr.req_id]["blocks"] = blocks
             emit("scheduled", id=nr.req_id, num_computed_tokens=nr.num_computed_tokens, blocks=blocks)
@@ -382,12 +597,18 @@ def main() -> None:
                 first_sched.add(rid)
                 req = scheduler.requests[rid]
                 emit("resumed", id=rid, num_computed_tokens=req.num_computed_tokens)
+        for c in ranks:
+            c.send(("step", so))
         with (
             set_current_vllm_config(vllm_config),
             set_forward_context(None, vllm_config),
             KVConnectorModelRunnerMixin._get_kv_connector_output(so) as kvo,
         ):
             pass
+        if ranks:
+            outputs = [types.SimpleNamespace(kv_connector_output=kvo)]
+            outputs += [types.SimpleNamespace(kv_connector_output=c.recv()) for c in ranks]
+            kvo = aggregator.aggregate(outputs).kv_connector_output
         if kvo.kv_connector_stats is not None:
             prom.observe(kvo.kv_connector_stats.data, 0)
         req_ids = list(so.num_scheduled_tokens)
@@ -399,7 +620,11 @@ def main() -> None:
                 loaded = list(scheduler.kv_cache_manager.get_block_ids(rid)[0])
             ok = None
             if not failed and loaded and info is not None:
-                ok = check(info["prefill_id"], loaded[: info["check_blocks"] or len(loaded)])
+                blocks_read = loaded[: info["check_blocks"] or len(loaded)]
+                ok = check(kv_caches, info["prefill_id"], blocks_read)
+                for c in ranks:  # every TP rank's share of the heads
+                    c.send(("check", info["prefill_id"], blocks_read))
+                    ok = bool(c.recv()) and ok
             emit("recv_done", id=rid, failed=failed, match=ok, blocks=loaded)
         for rid in kvo.finished_sending or ():
             emit("freed", id=rid)
@@ -420,8 +645,12 @@ def main() -> None:
                     emit("finished", id=o.request_id, reason=str(o.finish_reason), params=o.kv_transfer_params)
         stepped = True
         time.sleep(args.step_ms / 1000.0)
+    for c in ranks:
+        c.send(("exit",))
     worker.shutdown()
     scheduler.shutdown()
+    for proc in procs:
+        proc.wait(timeout=30)
 
 
 if __name__ == "__main__":

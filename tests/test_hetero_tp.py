@@ -200,3 +200,127 @@ def test_accessor_tp2_frees_only_when_every_accessor_worker_reported() -> None:
     finally:
         for a in (p, *ds):
             a.close()
+
+
+# -- the same over vLLM: producer TP 2, decoder TP 1 (tests/_vllm_node.py, a worker process per
+# TP rank, vLLM's own TP mapping, handshake and READs, NIXL between the processes) --------------
+
+#: vLLM's lease settings here: a 6 s lease (heartbeat every 1 s, extension 4 s). The decoder's
+#: access-time bound (5 s) is longer than its validity window (~3.95 s), so no READ is ever
+#: covered by the window alone: every READ asks each producer rank it maps to for confirmation
+#: (the path on which a rank that never hears its access-done makes the READ stale).
+VLLM_LEASE = 6.0
+VLLM_SLACK = 1.0  # scheduling slack of a step loop on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def tp2() -> Iterator[dict[str, Any]]:
+    """A kvlease producer at TP 2 (one KV head per rank) and a kvlease decoder at TP 1 (both
+    heads): the decoder reads each producer rank's head, and the lease maps it to both ranks."""
+    from _vllm_helpers import Node, PortTaken, require_vllm_env
+
+    require_vllm_env()
+    specs: dict[str, dict[str, Any]] = {
+        "PT": dict(role="kv_producer", connector="kvlease", extra={"kv_lease_duration": VLLM_LEASE}, tp=2),
+        "DT": dict(
+            role="kv_consumer",
+            connector="kvlease",
+            extra={"kv_lease_duration": VLLM_LEASE, "max_access_time": 5.0},
+            max_num_seqs=1,
+        ),
+    }
+    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
+    try:
+        for name in specs:
+            for attempt in range(3):
+                try:
+                    nodes[name].wait("ready", timeout=300)
+                    break
+                except PortTaken:
+                    if attempt == 2:
+                        raise
+                    nodes[name].close()
+                    nodes[name] = Node(name, **specs[name])
+        yield nodes
+    finally:
+        for n in nodes.values():
+            n.close()
+
+
+def _rank_counters(node: Any) -> list[dict[str, int]]:
+    return [r["counters"] for r in node.stats()["ranks"]]
+
+
+def test_vllm_tp2_producer_tp1_decoder_each_rank_confirms_and_frees_on_its_access_done(tp2: dict[str, Any]) -> None:
+    """Heterogeneous TP inside vLLM: the TP-1 decoder READs one KV head from each of the TP-2
+    producer's ranks (vLLM's TP mapping, one READ per rank, in one access). The READ is never
+    covered by the validity window alone here, so it needs every mapped rank's confirmation:
+    each rank answers its own part's access-done, the load completes with both heads, and both
+    ranks free on the access-done at once (vLLM reports the request freed when every rank has),
+    none at expiry. (Where vLLM's mapping reads fewer ranks than the lease maps — its GQA dedup
+    and MLA's replicas — the unread ranks get their access-done when the READ is posted.)"""
+    p, d = tp2["PT"], tp2["DT"]
+    before = _rank_counters(p)
+    assert len(before) == 2
+    p.send(op="prefill", id="h1")
+    params = p.wait("finished", 60, id="h1")["params"]
+    assert params["kvlease"]["ranks"] == 2 and params["tp_size"] == 2
+    d.send(op="decode", id="h1", params=params)
+    done = d.wait("recv_done", 90, id="h1")
+    assert done["failed"] is False and done["match"] is True, "the READ failed or was reported stale"
+    freed = p.wait("freed", 30, id="h1")
+    print(f"\nP TP2 / D TP1: both producer ranks freed {freed['t'] - done['t']:.3f} s after the load")
+    assert freed["t"] - done["t"] <= VLLM_SLACK, "a producer rank held its blocks to expiry"
+    after = _rank_counters(p)
+    for rank in (0, 1):
+        assert after[rank]["completed"] == before[rank]["completed"] + 1, f"rank {rank} did not free on access-done"
+        assert after[rank]["expired"] == before[rank]["expired"]
+    drv = d.stats()["driver"]
+    assert drv["accesses_completed"] >= 1 and drv["stale_reads_caught"] == 0
+
+
+def test_vllm_sums_each_kvlease_counter_over_the_tp_ranks(tp2: dict[str, Any]) -> None:
+    """Issue 21 (metrics): vLLM aggregates the connector stats of every TP rank of an engine
+    (KVOutputAggregator: each rank's lists extended into one) before the Prometheus metrics
+    count them, so a producer counter is the sum over its ranks: on this TP-2 producer every
+    request is granted, and completed, twice (each rank pins its own share of the KV)."""
+    p = tp2["PT"]
+    p.send(op="prefill", id="h3")
+    params = p.wait("finished", 60, id="h3")["params"]
+    d = tp2["DT"]
+    d.send(op="decode", id="h3", params=params)
+    assert d.wait("recv_done", 90, id="h3")["match"] is True
+    p.wait("freed", 30, id="h3")
+    s = p.stats()
+    for name in ("leases_granted", "leases_completed"):
+        per_rank = [r["driver"][name] for r in s["ranks"]]
+        assert per_rank[0] == per_rank[1] >= 1, per_rank
+        assert s["prometheus"][f"vllm:kvlease_{name}_total"] == sum(per_rank), (name, per_rank, s["prometheus"])
+
+
+def test_a_producer_that_registered_its_kv_cache_again_is_read_without_a_spurious_failure(
+    tp2: dict[str, Any],
+) -> None:
+    """Issue 21 (sleep mode): after the producer's sleep and wake-up (its KV cache registered
+    again, every rank), vLLM's decoder sees the new registration generation in the next
+    request's params, drops the producer's agents and handshakes again before reading. The
+    adapter began its access before vLLM's re-handshake, so the READ vLLM queued again after it
+    found an access already open and was refused: a failed load. Now the access begins when
+    vLLM really reads: the load after the wake-up matches."""
+    p, d = tp2["PT"], tp2["DT"]
+    p.send(op="prefill", id="h2-before")  # read once before: the decoder holds the producer's agents
+    params = p.wait("finished", 60, id="h2-before")["params"]
+    before = params["remote_registration_generation"]
+    d.send(op="decode", id="h2-before", params=params)
+    assert d.wait("recv_done", 90, id="h2-before")["match"] is True
+    p.wait("freed", 30, id="h2-before")
+    p.send(op="sleep", id="-")
+    p.wait("slept", 60)
+    p.send(op="prefill", id="h2")
+    params = p.wait("finished", 60, id="h2")["params"]
+    print(f"\nregistration generation {before} -> {params['remote_registration_generation']}")
+    assert params["remote_registration_generation"] > before, "the wake-up republished the same registration"
+    d.send(op="decode", id="h2", params=params)
+    done = d.wait("recv_done", 90, id="h2")
+    assert done["failed"] is False and done["match"] is True, "the first READ after the wake-up failed"
+    p.wait("freed", 30, id="h2")

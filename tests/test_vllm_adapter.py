@@ -17,6 +17,7 @@ import secrets
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +39,12 @@ EXTRA = {
     "auth_allow_vllm_compat": True,
 }
 RHO = 1e-4  # max_drift_rate (default)
+#: D1's stated floor on a transfer's rate (``kvlease_min_bandwidth``), bytes/s: its largest READ
+#: (max_model_len 2048 in blocks of 32 tokens: 64 blocks of 2 layers x 16 KiB = 2 MiB) takes
+#: 5.24 s at it, so D1's transfer bound is that plus one heartbeat interval.
+FLOOR = 4e5
+LARGEST_READ = 64 * 2 * 16384
+BOUND = LARGEST_READ / FLOOR * (1 + RHO) + D / 6
 #: Scheduling slack of a step loop on a loaded 2-core machine (steps are every ~10 ms).
 SLACK = 1.0
 
@@ -52,13 +59,16 @@ def fleet() -> Iterator[dict[str, Node]]:
             connector="kvlease",
             extra=EXTRA,
             bad_config={"kv_lease_duration": D, "validity_margin": -1},
+            build=[{"policy": "fail"}],
         ),
         "D1": dict(
             role="kv_consumer",
             connector="kvlease",
-            extra={**EXTRA, "kv_lease_durration": 9},  # a typo: named at start-up, ignored
+            # a typo: named at start-up, ignored; a slow stated floor: a 6.2 s transfer bound
+            extra={**EXTRA, "kv_lease_durration": 9, "kvlease_min_bandwidth": FLOOR},
             max_num_seqs=1,
             bad_config={"kvlease_engine_tll": 5},
+            build=[{"policy": "fail"}, {"pp": 2}],
         ),
         "P2": dict(role="kv_producer", connector="stock", extra={"kv_lease_duration": int(D)}),
         "D2": dict(role="kv_consumer", connector="stock", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
@@ -147,7 +157,16 @@ def test_kvlease_counters_reach_vllms_prometheus_metrics(fleet: dict[str, Node])
     prom, drv = p["prometheus"], p["driver"]
     assert prom["vllm:kvlease_leases_granted_total"] == drv["leases_granted"] >= 2
     assert prom["vllm:kvlease_leases_completed_total"] == drv["leases_completed"] >= 2
-    assert prom["vllm:kvlease_heartbeats_received_total"] == drv["heartbeats_received"] >= 1
+    # The counters every heartbeat moves reach vLLM's stats at most once a second (summed),
+    # not on every step; once the heartbeats stop they catch up.
+    deadline = time.monotonic() + 10
+    while prom["vllm:kvlease_heartbeats_received_total"] != drv["heartbeats_received"]:
+        assert prom["vllm:kvlease_heartbeats_received_total"] < drv["heartbeats_received"]
+        assert time.monotonic() < deadline, (prom, drv)
+        time.sleep(0.5)
+        p = fleet["P1"].stats()
+        prom, drv = p["prometheus"], p["driver"]
+    assert drv["heartbeats_received"] >= 1
     d = fleet["D1"].stats()
     assert d["prometheus"]["vllm:kvlease_accesses_completed_total"] == d["driver"]["accesses_completed"] >= 1
     assert "vllm:kvlease_leases_granted_total" not in fleet["P2"].stats()["prometheus"]
@@ -318,6 +337,119 @@ def test_a_ticket_moved_to_another_requests_params_is_refused(fleet: dict[str, N
         p1.wait("freed", 30, id=rid)
 
 
+def test_a_decoder_whose_failure_policy_is_fail_is_warned_in_vllms_log_format(fleet: dict[str, Node]) -> None:
+    """Issue 21: under vLLM's default ``kv_load_failure_policy="fail"`` every READ kvlease refuses
+    (a lease lost, a read found stale) is a client error instead of a recomputed prompt. A
+    decoder built so (through vLLM's factory, in a vLLM process) says so at start-up, through
+    vLLM's logging; a producer (whose policy has no such effect) does not."""
+    import re
+
+    assert fleet["D1"].wait("built", i=0)["error"] is None
+    assert fleet["P1"].wait("built", i=0)["error"] is None
+    log = fleet["D1"].log_path.read_text(errors="replace")
+    line = next((ln for ln in log.splitlines() if "kv_load_failure_policy is 'fail'" in ln), None)
+    assert line is not None and "'recompute' recomputes the prompt instead" in line
+    assert re.search(r"WARNING \d\d-\d\d \d\d:\d\d:\d\d \[connector\.py:\d+\] kvlease:", line), line
+    assert "kv_load_failure_policy is 'fail'" not in fleet["P1"].log_path.read_text(errors="replace")
+
+
+def test_pipeline_parallelism_is_refused_at_start_up(fleet: dict[str, Node]) -> None:
+    """Issue 21: the lease transport addresses pipeline stage 0 only, so with
+    ``pipeline_parallel_size > 1`` the other stages' workers would free (or be read) outside any
+    lease. kvlease's connector refuses to start so, saying what to do (vLLM's factory builds it
+    from a real config with PP 2)."""
+    err = fleet["D1"].wait("built", i=1)["error"]
+    assert err is not None and "pipeline_parallel_size > 1 (got 2)" in err and "pipeline stage 0" in err
+
+
+def test_a_slow_read_completes_within_the_transfer_bound_sized_from_the_largest_read(fleet: dict[str, Node]) -> None:
+    """Issue 21: the driver gave up every READ still running after access time + one interval
+    (3 s here, 7 s at vLLM's defaults), a failed load, where stock vLLM waits. D1's bound is now
+    sized from its largest READ at its stated floor (2 MiB at 0.4 MB/s: 5.2 s, plus an interval).
+    A READ held in progress for 4.5 s completes and matches; one held past the bound is given up
+    at the bound (the lease released: P1 frees its blocks then, not pinned for as long as the
+    READ hangs) and fails the load when vLLM reports it, never decoded from."""
+    p1, d1 = fleet["P1"], fleet["D1"]
+    params = prefill(p1, "slow")
+    d1.send(op="hold_read", id="slow", seconds=4.5)
+    d1.send(op="decode", id="slow", params=params)
+    held = d1.wait("held", 60, id="slow")
+    done = d1.wait("recv_done", 60, id="slow")
+    print(f"\nREAD held 4.5 s: completed {done['t'] - held['t']:.2f} s after it was posted (bound {BOUND:.2f} s)")
+    assert done["t"] - held["t"] >= 4.5
+    assert done["failed"] is False and done["match"] is True
+    p1.wait("freed", 30, id="slow")
+    d1.wait("finished", 30, id="slow")
+
+    params = prefill(p1, "stuck")
+    d1.send(op="hold_read", id="stuck", seconds=BOUND + 3)
+    d1.send(op="decode", id="stuck", params=params)
+    held = d1.wait("held", 60, id="stuck")
+    freed = p1.wait("freed", BOUND + 30, id="stuck")
+    done = d1.wait("recv_done", 60, id="stuck")
+    print(f"READ held past the bound: P1 freed {freed['t'] - held['t']:.2f} s after it was posted")
+    assert BOUND - SLACK <= freed["t"] - held["t"] <= BOUND + SLACK
+    assert done["failed"] is True and done["match"] is None
+    d1.wait("finished", 60, id="stuck")  # recomputed locally
+
+
+_VERSION = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import _vllm_node
+_vllm_node.use_this_checkout()  # kvlease from the checkout under test
+import vllm
+vllm.__version__ = "0.34.0"  # as a newer vLLM reports itself
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+ktc = KVTransferConfig(kv_connector=sys.argv[2], kv_connector_module_path=sys.argv[3], kv_role="kv_producer")
+try:
+    cls = KVConnectorFactory.get_connector_class(ktc)
+    print("LOADED " + cls.__qualname__)
+except ImportError as exc:
+    print("REFUSED " + type(exc).__name__ + ": " + str(exc))
+os.environ["KVLEASE_VLLM_VERSION"] = "0.34.0"
+cls = KVConnectorFactory.get_connector_class(ktc)
+print("NAMED " + cls.__qualname__)
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "module"),
+    [
+        ("NixlConnector", "kvlease.adapters.vllm"),
+        ("NixlPushConnector", "kvlease.adapters.vllm"),
+        ("KvleaseNixlConnector", "kvlease.adapters.vllm.connector"),
+    ],
+)
+def test_an_unsupported_vllm_is_refused_when_vllm_loads_the_connector(name: str, module: str) -> None:
+    """Issue 21 (operations): the adapter overrides vLLM 0.33's NIXL internals; under another
+    vLLM it would fail deep in a traceback or import and misbehave. vLLM's factory, loading the
+    connector as an engine does, gets an ImportError that names the installed and the supported
+    versions and what to do; naming the version in KVLEASE_VLLM_VERSION loads it anyway."""
+    import subprocess
+
+    from _vllm_helpers import VENV_PY
+
+    require_vllm_env()
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("KVLEASE_VLLM_VERSION", None)
+    out = subprocess.run(
+        [str(VENV_PY), "-c", _VERSION, str(Path(__file__).parent), name, module],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.stdout.splitlines() if " " in ln}
+    assert "LOADED" not in lines, f"vLLM 0.34.0 loaded kvlease's {name}: {lines}"
+    refused = lines["REFUSED"]
+    assert refused.startswith("UnsupportedVllmVersion: ") and "supports vLLM 0.33.x" in refused
+    assert "this environment has vLLM 0.34.0" in refused and "KVLEASE_VLLM_VERSION=0.34.0" in refused
+    assert lines["NAMED"].startswith("Kvlease")
+
+
 def test_decoder_killed_producer_frees_within_the_bound(fleet: dict[str, Node]) -> None:
     """SIGKILL D1 while r4 is queued there and heartbeating: P1 frees r4 once the last renewal
     runs out. A renewal extends to receipt + 2D/3 and one arrives every D/6, so the free comes
@@ -338,6 +470,9 @@ def test_decoder_killed_producer_frees_within_the_bound(fleet: dict[str, Node]) 
 
 _PARITY = """
 import json, os, sys
+sys.path.insert(0, sys.argv[4])
+import _vllm_node
+_vllm_node.use_this_checkout()  # kvlease from the checkout under test
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 name, module, model = sys.argv[1], sys.argv[2] or None, sys.argv[3]
@@ -384,7 +519,11 @@ def test_vllms_name_keyed_nixl_checks_apply_to_kvlease(name: str, module: str, k
     require_vllm_env()
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}  # vLLM's CPU platform, where this check lives
     out = subprocess.run(
-        [str(VENV_PY), "-c", _PARITY, name, module, str(MODEL)], capture_output=True, text=True, timeout=240, env=env
+        [str(VENV_PY), "-c", _PARITY, name, module, str(MODEL), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PARITY ")]
     assert out.returncode == 0 and lines, out.stderr[-2000:]

@@ -30,6 +30,9 @@ EXTRA = {"kv_lease_duration": D, "max_access_time": MAX_ACCESS}
 RHO = 1e-4  # max_drift_rate (default)
 G = MAX_ACCESS * (1 + RHO)
 SLACK = 1.0  # scheduling slack of a step loop on a loaded 2-core machine
+#: A stated floor (``kvlease_min_bandwidth``, bytes/s) at which the largest WRITE of these engines
+#: (64 blocks of 2 layers x 16 KiB = 2 MiB) takes 2.1 s, more than MAX_ACCESS.
+SLOW_FLOOR = 1e6
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,15 @@ def pair() -> Iterator[dict[str, Node]]:
             extra=EXTRA,
             max_num_seqs=1,
             bad_config={"kv_lease_duration": D, "max_access_time": -2},
+            build=[{"extra": {**EXTRA, "kvlease_min_bandwidth": SLOW_FLOOR}}],
         ),
-        "D": dict(role="kv_consumer", connector="kvlease-push", extra=EXTRA, bad_config={"kvlease_engine_tll": 5}),
+        "D": dict(
+            role="kv_consumer",
+            connector="kvlease-push",
+            extra=EXTRA,
+            bad_config={"kvlease_engine_tll": 5},
+            build=[{"extra": {**EXTRA, "kvlease_min_bandwidth": SLOW_FLOOR}}, {"extra": EXTRA}],
+        ),
         # a stock vLLM push producer (NixlPushConnector, unmodified): the mixed fleet
         "P2": dict(role="kv_producer", connector="stock-push", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
     }
@@ -103,6 +113,19 @@ def test_push_connectors_come_from_vllms_factory(pair: dict[str, Node]) -> None:
     err = pair["D"].wait("bad_config")["error"]
     assert err is not None and "kvlease_engine_tll" in err
     assert pair["P2"].wait("ready")["worker_impl"] == "NixlPushConnectorWorker"
+
+
+def test_push_refuses_to_start_when_the_access_bound_cannot_cover_the_largest_write(pair: dict[str, Node]) -> None:
+    """Issue 21: a push WRITE must end within ``max_access_time`` of its start, or it may land
+    after the decoder freed its blocks (the push guard covers only that long). Both roles refuse
+    to start when the largest WRITE of the engine (max_model_len's blocks of its KV layout) at
+    the stated floor outlasts it, naming both settings and the bound needed; with the default
+    floor (1 GB/s: 2 ms) the same lease settings start."""
+    for name in ("P", "D"):
+        err = pair[name].wait("built", i=0)["error"]
+        assert err is not None and err.startswith("ConfigError"), err
+        assert "max_access_time" in err and "at least 2.097 s" in err and "kvlease_min_bandwidth" in err
+    assert pair["D"].wait("built", i=1)["error"] is None
 
 
 def test_push_writes_into_the_decoders_blocks_under_its_lease(pair: dict[str, Node]) -> None:

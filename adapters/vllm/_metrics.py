@@ -9,6 +9,11 @@ Prometheus endpoint (no second HTTP server).
 
 from __future__ import annotations
 
+# First: an unsupported vLLM is refused, saying what to do, before its internals load.
+from . import _vllm_check  # noqa: F401
+
+# isort: split
+
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats

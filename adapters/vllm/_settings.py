@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from kvlease import ConfigError, LeaseConfig
 
-__all__ = ["ADAPTER_KEYS", "LEASE_KEYS", "VLLM_KEYS", "AdapterSettings", "read_settings", "unknown_keys"]
+__all__ = [
+    "ADAPTER_KEYS",
+    "DEFAULT_MIN_BANDWIDTH",
+    "LEASE_KEYS",
+    "VLLM_KEYS",
+    "AdapterSettings",
+    "TransferBound",
+    "check_transfer_bound",
+    "largest_access_bytes",
+    "read_settings",
+    "transfer_bound",
+    "unknown_keys",
+]
 
 #: `LeaseConfig` fields readable from the extra config, under the same names.
 LEASE_KEYS = (
@@ -42,10 +54,19 @@ ADAPTER_KEYS = (
     # Seconds a peer may stay silent after failing before the driver gives it up (default: the
     # lease duration).
     "kvlease_engine_ttl",
-    # Seconds after which a READ the core started is treated as failed (default: the access-time
-    # bound plus a heartbeat interval).
+    # Seconds after which a READ the core started is given up (default: the larger of the
+    # access-time bound and the largest transfer of this engine at kvlease_min_bandwidth, plus a
+    # heartbeat interval; see `transfer_bound`).
     "kvlease_transfer_timeout",
+    # The slowest rate, bytes per second, at which one request's KV transfer is stated to move
+    # on this deployment's links (default 1e9, 1 GB/s): sizes the transfer bound (see
+    # `transfer_bound`).
+    "kvlease_min_bandwidth",
 )
+
+#: The default stated floor on one request's KV transfer rate, bytes per second (1 GB/s: well
+#: under RDMA's 10-50 GB/s, above UCX over plain TCP's ~0.6 GB/s measured on loopback).
+DEFAULT_MIN_BANDWIDTH = 1e9
 
 
 #: Keys vLLM 0.33.0's NIXL connectors read from the same extra config (not kvlease's).
@@ -81,12 +102,84 @@ class AdapterSettings:
     vllm_compat: bool = True
     engine_ttl: float | None = None
     transfer_timeout: float | None = None
+    min_bandwidth: float = DEFAULT_MIN_BANDWIDTH
 
 
-def _positive(key: str, value: object) -> float:
+def largest_access_bytes(max_model_len: int, groups: Iterable[tuple[int, int]], cache_bytes: int) -> int:
+    """An upper bound on the bytes one access of this worker moves (its READ in pull mode, its
+    WRITE in push mode): every transferred cache group's blocks of a request of
+    `max_model_len` tokens, ``groups`` giving each group's ``(block_size, bytes of one block
+    over all its layers)``, and never more than the worker's whole KV cache (`cache_bytes`).
+    These are this worker's own bytes whatever the other side's TP: a decoder rank reading from
+    several producer ranks fills its own blocks, a producer rank writing to several decoder
+    ranks sends its own."""
+    total = sum(-(-max_model_len // block_size) * nbytes for block_size, nbytes in groups if block_size > 0)
+    return min(total, cache_bytes) if cache_bytes > 0 else total
+
+
+@attrs.frozen
+class TransferBound:
+    """How long one access of this worker may take, and the driver's transfer timeout."""
+
+    #: The largest access of this worker (`largest_access_bytes`).
+    nbytes: int
+    #: That access at the stated floor (``kvlease_min_bandwidth``), seconds.
+    seconds: float
+    #: Seconds after which an access still running is given up (the driver's transfer_timeout).
+    timeout: float
+
+
+def transfer_bound(settings: AdapterSettings, nbytes: int) -> TransferBound:
+    """The transfer bound of a worker whose largest access moves `nbytes`.
+
+    The timeout, unless ``kvlease_transfer_timeout`` sets it, is the larger of the access-time
+    bound and the largest access at the floor, plus one heartbeat interval: a transfer that moves
+    at the floor or faster is never cut short, whatever the model's length and layers (a fixed
+    bound, the earlier ``A + I`` = 7 s, failed every long-context read on a slow link), and one
+    that stalls (a hung link) is given up, so the producer's blocks are not pinned by heartbeats
+    for as long as it hangs."""
+    cfg = settings.lease
+    seconds = nbytes / settings.min_bandwidth
+    timeout = settings.transfer_timeout
+    if timeout is None:
+        timeout = max(cfg.access_time_local, seconds * (1.0 + cfg.max_drift_rate)) + cfg.heartbeat_interval
+    return TransferBound(nbytes, seconds, timeout)
+
+
+def check_transfer_bound(settings: AdapterSettings, bound: TransferBound, *, push: bool) -> list[str]:
+    """Start-up check of the transfer bound: raises `ConfigError` where the safety argument does
+    not hold, returns warnings where only liveness suffers.
+
+    Push: a WRITE must end within ``max_access_time`` of its start (spec §7.1, S2), or it may
+    land after the decoder freed the blocks; the largest WRITE at the floor must fit, or the
+    engine refuses to start, naming both settings. Pull: a READ's validity does not depend on its
+    duration (one that outlasts its window is confirmed by the producer), but one still running
+    at the transfer timeout becomes a failed load: an explicit ``kvlease_transfer_timeout`` below
+    the largest READ at the floor is warned about."""
+    cfg = settings.lease
+    mib = bound.nbytes / (1 << 20)
+    what = f"the largest {'WRITE' if push else 'READ'} this engine can issue ({mib:.4g} MiB)"
+    floor = f"kvlease_min_bandwidth = {settings.min_bandwidth:.4g} bytes/s"
+    if push and bound.seconds > cfg.max_access_time:
+        raise ConfigError(
+            "max_access_time",
+            cfg.max_access_time,
+            f"at least {bound.seconds:.4g} s: {what} takes that long at the stated floor {floor}, and a push "
+            "WRITE that outlasts max_access_time may land after the decoder freed its blocks; raise "
+            "max_access_time, or state a higher kvlease_min_bandwidth if every link guarantees it",
+        )
+    if settings.transfer_timeout is not None and bound.timeout < bound.seconds:
+        return [
+            f"kvlease_transfer_timeout = {bound.timeout:.4g} s is shorter than {what} at the stated floor "
+            f"{floor} ({bound.seconds:.4g} s): such a transfer is given up and reported as a failed load"
+        ]
+    return []
+
+
+def _positive(key: str, value: object, unit: str = "seconds") -> float:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
     if not ok:
-        raise ConfigError(key, value, "a positive finite number of seconds")
+        raise ConfigError(key, value, f"a positive finite number of {unit}")
     return float(value)  # type: ignore[arg-type]
 
 
@@ -108,9 +201,11 @@ def read_settings(extra: Mapping[str, Any] | None) -> AdapterSettings:
     lease = LeaseConfig(**fields, vllm_compat=compat)  # a bad value raises ConfigError naming it
     engine_ttl = extra.get("kvlease_engine_ttl")
     transfer_timeout = extra.get("kvlease_transfer_timeout")
+    bandwidth = extra.get("kvlease_min_bandwidth")
     return AdapterSettings(
         lease,
         compat,
         None if engine_ttl is None else _positive("kvlease_engine_ttl", engine_ttl),
         None if transfer_timeout is None else _positive("kvlease_transfer_timeout", transfer_timeout),
+        DEFAULT_MIN_BANDWIDTH if bandwidth is None else _positive("kvlease_min_bandwidth", bandwidth, "bytes/s"),
     )

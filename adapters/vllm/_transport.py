@@ -387,6 +387,10 @@ class NotifSwap:
             args = (*args[:5], self._swap(args[5]), *args[6:])
         return self._kvlease_agent.make_prepped_xfer(*args, **kwargs)
 
+    def send_raw(self, agent_name: Any, data: bytes) -> None:
+        """A notification of kvlease's own, sent as it is (never swapped)."""
+        self._kvlease_agent.send_notif(agent_name, notif_msg=data)
+
     def send_notif(self, agent_name: Any, notif_msg: Any = b"", *args: Any, **kwargs: Any) -> Any:
         rank = getattr(self._kvlease_rank, "value", None)
         if rank is None:

@@ -27,8 +27,14 @@ descriptors, TP mapping, the READ); only the lease bookkeeping is replaced:
 
 from __future__ import annotations
 
+# First: an unsupported vLLM is refused, saying what to do, before its internals load.
+from ._vllm_check import VLLM_VERSION, VLLM_VERSION_SUPPORTED
+
+# isort: split
+
 import json
 import logging
+import operator
 import os
 import secrets
 import threading
@@ -60,8 +66,17 @@ from kvlease import (
 )
 
 from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
-from ._settings import AdapterSettings, read_settings, unknown_keys
+from ._settings import (
+    AdapterSettings,
+    TransferBound,
+    check_transfer_bound,
+    largest_access_bytes,
+    read_settings,
+    transfer_bound,
+    unknown_keys,
+)
 from ._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
+from ._version import OVERRIDE_ENV, SUPPORTED_SERIES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -119,6 +134,13 @@ def warn_if_unnamed(vllm_config: VllmConfig, vllm_name: str, role: KVConnectorRo
     ktc = vllm_config.kv_transfer_config
     if ktc is None or role != KVConnectorRole.SCHEDULER:
         return
+    if not VLLM_VERSION_SUPPORTED:
+        log.warning(
+            "kvlease: vLLM %s is not a release this adapter supports (%s); loaded because %s names it: untested",
+            VLLM_VERSION,
+            ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_SERIES),
+            OVERRIDE_ENV,
+        )
     unknown = unknown_keys(ktc.kv_connector_extra_config)
     if unknown:
         log.warning("kvlease: kv_connector_extra_config keys nobody reads (ignored): %s", ", ".join(unknown))
@@ -141,6 +163,50 @@ def warn_if_unnamed(vllm_config: VllmConfig, vllm_name: str, role: KVConnectorRo
 def _settings_of(vllm_config: VllmConfig) -> AdapterSettings:
     ktc = vllm_config.kv_transfer_config
     return read_settings(ktc.kv_connector_extra_config if ktc is not None else None)
+
+
+def transfer_bound_of(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: AdapterSettings
+) -> TransferBound:
+    """This worker's transfer bound: its largest access (every transferred cache group's blocks
+    for a request of ``max_model_len`` tokens, in this worker's own KV layout) at the stated
+    floor (``kvlease_min_bandwidth``)."""
+    groups = kv_cache_config.kv_cache_groups
+    ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
+    per_group = [
+        (int(spec.block_size), int(spec.page_size_bytes) * len(groups[i].layer_names))
+        for i in ids
+        if (spec := groups[i].kv_cache_spec) is not None
+    ]
+    cache = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
+    nbytes = largest_access_bytes(int(vllm_config.model_config.max_model_len), per_group, cache)
+    return transfer_bound(settings, nbytes)
+
+
+def check_at_start_up(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, role: KVConnectorRole, vllm_name: str, *, push: bool
+) -> AdapterSettings:
+    """Everything a connector checks before it starts, on every role: the settings (a bad value
+    raises `ConfigError` naming the key), what the adapter cannot serve (pipeline parallelism),
+    the transfer bound (push: refused when ``max_access_time`` cannot cover the largest WRITE);
+    then the start-up warnings (once per engine, scheduler side, see `warn_if_unnamed`)."""
+    settings = _settings_of(vllm_config)
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    if pp > 1:
+        # The lease transport addresses pipeline stage 0 only: the other stages' workers would
+        # never hear a heartbeat, and free (or be read) outside any lease.
+        raise ValueError(
+            f"kvlease's {vllm_name} does not support pipeline_parallel_size > 1 (got {pp}): its lease messages "
+            f"reach pipeline stage 0 only. Run with pipeline_parallel_size 1 (tensor parallelism is supported), "
+            f"or use vLLM's own {vllm_name} (no kvlease module path) for this engine"
+        )
+    bound = transfer_bound_of(vllm_config, kv_cache_config, settings)
+    warnings = check_transfer_bound(settings, bound, push=push)
+    warn_if_unnamed(vllm_config, vllm_name, role)
+    if role == KVConnectorRole.SCHEDULER:
+        for line in warnings:
+            log.warning("kvlease: %s", line)
+    return settings
 
 
 # -- scheduler side ------------------------------------------------------------------------------
@@ -290,12 +356,23 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 # -- worker side ---------------------------------------------------------------------------------
 
 
+#: Reads every exported driver counter at once (a tuple, in `KVLEASE_COUNTERS` order).
+_READ_COUNTERS = operator.attrgetter(*KVLEASE_COUNTERS)
+#: Counters every heartbeat moves: reported at most this often, seconds (`_kv_record_stats`).
+_STATS_EVERY = 1.0
+_HEARTBEAT_COUNTERS = ("leases_renewed", "heartbeats_sent", "heartbeats_received", "heartbeat_acks_received")
+#: Reads the counters reported in the step they move.
+_READ_AT_ONCE = operator.attrgetter(*(name for name in KVLEASE_COUNTERS if name not in _HEARTBEAT_COUNTERS))
+
+
 class _KvleaseWorkerBase:
     """What the pull and the push worker share: the kvlease driver, built on the first step
     (the pinner needs the incarnation the scheduler sends), and the driver's counters reported
     to vLLM's `KVConnectorStats` as per-step deltas."""
 
     kvlease_settings: AdapterSettings
+    #: The largest access of this worker and the transfer timeout it sizes (`transfer_bound_of`).
+    kvlease_bound: TransferBound
     kvlease_transport: ConnectorTransport
     kvlease_driver: Driver | None
     engine_id: str
@@ -306,6 +383,10 @@ class _KvleaseWorkerBase:
     _kv_accessor_role: bool
     _kv_incarnation: int | None
     _kv_counted: dict[str, int]
+    #: The driver's counters as last reported, and when the heartbeat counters are next due.
+    _kv_seen: tuple[int, ...] = (0,) * len(KVLEASE_COUNTERS)
+    _kv_seen_at_once: tuple[int, ...] = (0,) * (len(KVLEASE_COUNTERS) - len(_HEARTBEAT_COUNTERS))
+    _kv_stats_due: float = 0.0
 
     def _kv_ensure_driver(self, incarnation: int | None) -> Driver:
         if self.kvlease_driver is not None:
@@ -328,7 +409,7 @@ class _KvleaseWorkerBase:
             pinner=pinner,
             accessor=accessor,
             engine_ttl=s.engine_ttl,
-            transfer_timeout=s.transfer_timeout,
+            transfer_timeout=self.kvlease_bound.timeout,
             vllm_compat=s.vllm_compat,
         )
         self._kv_driver_ready()
@@ -349,7 +430,23 @@ class _KvleaseWorkerBase:
         return deltas
 
     def _kv_record_stats(self, driver: Driver) -> None:
-        deltas = self._kv_deltas(self._kv_counted, {n: getattr(driver.stats, n) for n in self._kv_counted})
+        """The counters' gains since the last report, into vLLM's stats of this step. A step
+        whose stats are not empty makes vLLM copy them and ship them to the scheduler (another
+        process under TP), so the counters every heartbeat moves (received, renewed, sent,
+        acknowledged) are reported at most every `_STATS_EVERY` seconds, summed; any other
+        counter at once (with the others' gains so far). Checking costs one C-level read of
+        the counters per step."""
+        stats = driver.stats
+        at_once = _READ_AT_ONCE(stats)
+        if at_once == self._kv_seen_at_once and time.monotonic() < self._kv_stats_due:
+            return
+        self._kv_seen_at_once = at_once
+        self._kv_stats_due = time.monotonic() + _STATS_EVERY
+        values = _READ_COUNTERS(stats)
+        if values == self._kv_seen:
+            return
+        self._kv_seen = values
+        deltas = self._kv_deltas(self._kv_counted, dict(zip(KVLEASE_COUNTERS, values, strict=True)))
         if deltas:
             self.xfer_stats.record_kvlease(deltas)
 
@@ -360,6 +457,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_settings = _settings_of(vllm_config)
+        self.kvlease_bound = transfer_bound_of(vllm_config, kv_cache_config, self.kvlease_settings)
         self._kv_auth = load_frame_auth(self.kvlease_settings.lease)
         role = vllm_config.kv_transfer_config.kv_role
         # Bidirectional KV transfer: the decoder also holds blocks (turn 1's) for the producer,
@@ -576,8 +674,16 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             # (params mixed up on the way) guards nothing there.
             self._kv_refuse(req_id, f"its ticket is for engine {ticket.engine_id!r}, the READ is from {engine_id!r}")
             return None
-        if engine_id not in self._remote_agents or engine_id in self._invalid_remote_engines:
+        if (
+            engine_id not in self._remote_agents
+            or engine_id in self._invalid_remote_engines
+            or self._remote_registration_generations.get(engine_id, 0) < meta.remote.registration_generation
+        ):
             # vLLM's handshake first (it queues the request again when done) or its failure path.
+            # A newer registration generation (the producer slept and registered its KV cache
+            # again) makes vLLM drop the producer's agents and handshake again: the access begins
+            # when vLLM queues the READ again, not now (an access opened now would still be open
+            # then, and the READ refused).
             super()._read_blocks_for_req(req_id, meta)
             return None
         if not any(len(group) > 0 for group in meta.local_block_ids):
@@ -608,7 +714,32 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         # estimate), not by vLLM's one-shot offset from the handshake.
         meta.remote.blocks_expiry_time = None
         super()._read_blocks_for_req(req_id, meta)
+        if notifs:
+            self._kv_notify_unread(engine_id, req_id, notifs)
         return None
+
+    def _kv_notify_unread(self, engine_id: str, req_id: str, notifs: dict[int, bytes]) -> None:
+        """Hand the access-done to the producer ranks the lease maps this rank to that vLLM's TP
+        mapping does not read. vLLM reads one producer rank per distinct KV head (GQA dedup in
+        ``compute_tp_mapping``: with more producer ranks than KV heads, ranks holding the same
+        head are read once); kvlease's layout names every rank this one maps to, so the skipped
+        ranks would hold their blocks until the lease expired, and a READ that needs their
+        confirmation would wait for answers that never come and be reported stale. Nothing of
+        theirs is read, so nothing can overlap their free. (MLA's unread replicas vLLM notifies
+        itself, with the access-done swapped in by `NotifSwap`.)"""
+        plan = self.tp_mappings.get(engine_id)
+        if plan is None or self.use_mla:
+            return
+        read = set(plan.all_source_ranks)
+        agents = self._remote_agents.get(engine_id, {})
+        for rank, note in notifs.items():
+            agent = None if rank in read else agents.get((0, rank))
+            if agent is None:
+                continue
+            try:
+                self.nixl_wrapper.send_raw(agent, note)
+            except Exception as exc:  # a lost access-done: that rank frees at expiry
+                log.warning("kvlease: access-done for unread producer rank %d of %s not sent: %s", rank, req_id, exc)
 
     def _kv_refuse(self, req_id: str, reason: str) -> None:
         """Do not READ `req_id`: report it to vLLM's scheduler as a failed load."""
@@ -637,57 +768,61 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         """Every notification goes to the driver: kvlease frames, hellos, and stock vLLM `HB:` /
         `id:count` (the compat codec), so no request is ever freed by vLLM's own bookkeeping.
         Under the lock (the engine's step or the pump)."""
+        notifs_by_agent = self.nixl_wrapper.get_new_notifs()
+        if not notifs_by_agent:
+            return
         feed = self.kvlease_transport.feed
-        for agent_name, notifs in self.nixl_wrapper.get_new_notifs().items():
+        compat = self.kvlease_settings.vllm_compat
+        for agent_name, notifs in notifs_by_agent.items():
             name = agent_name.decode() if isinstance(agent_name, bytes) else str(agent_name)
             for notif in notifs:
-                data = bytes(notif)
-                if not self.kvlease_settings.vllm_compat and not (
-                    is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)
-                ):
+                data = notif if type(notif) is bytes else bytes(notif)
+                if not compat and not (is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)):
                     self._kv_unframed += 1
                     continue
                 feed(name, data)
 
     def get_transfer_results(self) -> Any:
         with self._kv_lock:
-            return self._kv_transfer_results()
+            res = super().get_transfer_results()
+            t0 = time.perf_counter_ns()
+            try:
+                return self._kv_transfer_results(res)
+            finally:
+                self._kv_work_ns += time.perf_counter_ns() - t0
+                self._kv_turns += 1
+                if self._kv_work_ns >= 1_000_000:  # reported once a millisecond of work piled up
+                    us, self._kv_work_ns = divmod(self._kv_work_ns, 1000)
+                    self.xfer_stats.record_kvlease({"lease_work_us": us, "lease_turns": self._kv_turns})
+                    self._kv_turns = 0
 
-    def _kv_transfer_results(self) -> Any:
-        res = super().get_transfer_results()
-        t0 = time.perf_counter_ns()
-        try:
-            return self._kv_results(res)
-        finally:
-            self._kv_work_ns += time.perf_counter_ns() - t0
-            self._kv_turns += 1
-            us, self._kv_work_ns = divmod(self._kv_work_ns, 1000)
-            self.xfer_stats.record_kvlease({"lease_work_us": us, "lease_turns": self._kv_turns})
-            self._kv_turns = 0
-
-    def _kv_results(self, res: Any) -> Any:
-        for _ in range(self._kv_unframed):
-            self.xfer_stats.record_notification_after_expiry()
-        self._kv_unframed = 0
+    def _kv_transfer_results(self, res: Any) -> Any:
+        """vLLM's transfer results of this step, with kvlease's verdicts on READs and its frees
+        (what the step costs with nothing to do is a driver step and a stats check)."""
+        if self._kv_unframed:
+            for _ in range(self._kv_unframed):
+                self.xfer_stats.record_notification_after_expiry()
+            self._kv_unframed = 0
         driver = self.kvlease_driver
         if driver is None:
             return res
-        transport = self.kvlease_transport
-        for req_id in list(self._kv_reading):
-            if req_id not in res.finished_recving:
-                continue
-            self._kv_reading.discard(req_id)
-            ok = req_id not in res.failed_recving
-            res.finished_recving.discard(req_id)
-            res.failed_recving.discard(req_id)
-            if req_id in self._kv_failed or not transport.complete(req_id, ok):
-                # The accessor gave this access up already (timed out or peer dead).
-                self._kv_forget(req_id)
-                res.finished_recving.add(req_id)
-                res.failed_recving.add(req_id)
-                continue
-            self._kv_verdict.add(req_id)
-        events, self._kv_events = [*self._kv_events, *driver.step()], []
+        if self._kv_reading and res.finished_recving:
+            transport = self.kvlease_transport
+            for req_id in self._kv_reading & res.finished_recving:
+                self._kv_reading.discard(req_id)
+                ok = req_id not in res.failed_recving
+                res.finished_recving.discard(req_id)
+                res.failed_recving.discard(req_id)
+                if req_id in self._kv_failed or not transport.complete(req_id, ok):
+                    # The accessor gave this access up already (timed out or peer dead).
+                    self._kv_forget(req_id)
+                    res.finished_recving.add(req_id)
+                    res.failed_recving.add(req_id)
+                    continue
+                self._kv_verdict.add(req_id)
+        events = driver.step()
+        if self._kv_events:  # what the lease pump produced since the last step
+            events, self._kv_events = [*self._kv_events, *events], []
         for ev in events:
             if isinstance(ev, Free):
                 if ev.key in self._kv_granted:
@@ -747,8 +882,7 @@ class KvleaseNixlConnector(_KvleaseMetrics, NixlPullConnector):  # type: ignore[
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # Settings first: a bad value fails here, naming the key, before anything starts.
-        _settings_of(vllm_config)
-        warn_if_unnamed(vllm_config, "NixlConnector", role)
+        check_at_start_up(vllm_config, kv_cache_config, role, "NixlConnector", push=False)
         # NixlPullConnector.__init__ would build vLLM's own scheduler or worker (a worker owns a
         # NIXL agent): skip to the base, which sets up what both modes share.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)

@@ -69,6 +69,11 @@ by request id).
 
 from __future__ import annotations
 
+# First: an unsupported vLLM is refused, saying what to do, before its internals load.
+from . import _vllm_check  # noqa: F401
+
+# isort: split
+
 import logging
 import queue
 import secrets
@@ -102,7 +107,7 @@ from kvlease import (
 from ._metrics import KVLEASE_COUNTERS, PUSH_COUNTERS, KvleaseConnectorStats
 from ._settings import AdapterSettings, read_settings
 from ._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
-from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase, warn_if_unnamed
+from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase, check_at_start_up, transfer_bound_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -222,6 +227,7 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_settings = _settings_of(vllm_config)
+        self.kvlease_bound = transfer_bound_of(vllm_config, kv_cache_config, self.kvlease_settings)
         role = vllm_config.kv_transfer_config.kv_role
         #: Push: the decoder pins its destination blocks, the producer (the writer) accesses.
         #: The producer pins its source blocks too (renewed by D's stock `HB:`, compat codec).
@@ -271,8 +277,6 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         #: being posted, and source leases expired (no WRITE from them may be posted any more).
         self._kv_posting: set[str] = set()
         self._kv_src_expired: dict[str, None] = {}
-        #: Test hook: requests whose posted WRITE is reported pending however NIXL reports it.
-        self._kv_test_pending: set[str] = set()
         #: Counts for tests and operators: WRITEs posted under a lease / refused by the gate.
         self.kvlease_push_counts = dict.fromkeys(PUSH_COUNTERS, 0)
         self.xfer_stats = KvleaseConnectorStats()
@@ -536,15 +540,6 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
             NixlPushConnectorWorker._get_new_notifs(self)
         return set()
 
-    def _pop_done_transfers(self, transfers: Any) -> Any:
-        if not self._kv_test_pending:
-            return super()._pop_done_transfers(transfers)
-        hidden = {r: transfers.pop(r) for r in list(self._kv_test_pending) if r in transfers}
-        try:
-            return super()._pop_done_transfers(transfers)
-        finally:
-            transfers.update(hidden)
-
     def _kv_in_flight(self, p_rid: str) -> bool:
         """Under ``_sending_transfers_lock``: a WRITE from `p_rid`'s blocks is posted (or
         being posted) and not complete."""
@@ -670,10 +665,11 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         return res
 
     def _kv_record_stats(self, driver: Driver) -> None:
-        deltas = self._kv_deltas(self._kv_counted, {n: getattr(driver.stats, n) for n in self._kv_counted})
-        deltas.update(self._kv_deltas(self._kv_push_counted, self.kvlease_push_counts))
-        if deltas:
-            self.xfer_stats.record_kvlease(deltas)
+        super()._kv_record_stats(driver)
+        if self.kvlease_push_counts != self._kv_push_counted:
+            deltas = self._kv_deltas(self._kv_push_counted, self.kvlease_push_counts)
+            if deltas:
+                self.xfer_stats.record_kvlease(deltas)
 
 
 # -- the connector -------------------------------------------------------------------------------
@@ -686,8 +682,9 @@ class KvleaseNixlPushConnector(_KvleaseMetrics, NixlPushConnector):  # type: ign
     connector_worker: KvleasePushWorker | None
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
-        _settings_of(vllm_config)  # a bad value fails here, naming the key
-        warn_if_unnamed(vllm_config, "NixlPushConnector", role)
+        # A bad value fails here, naming the key (and a max_access_time that cannot cover the
+        # largest WRITE), before anything starts.
+        check_at_start_up(vllm_config, kv_cache_config, role, "NixlPushConnector", push=True)
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
         # NixlPushConnector.__init__ would build vLLM's own scheduler or worker: skip to the base.
