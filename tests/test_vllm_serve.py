@@ -61,15 +61,14 @@ def test_happy_path_text_equals_reference_and_kv_came_over_nixl(fleet: pd.Fleet)
         text = pd.prompt("happy", f"{p}->{d}")
         hits0 = fleet.metric(d, "vllm:external_prefix_cache_hits_total")
         reads0 = fleet.metric(d, "vllm:nixl_xfer_time_seconds_count")
+        failed0 = fleet.metric(d, "vllm:nixl_num_failed_transfers_total")
         answer = fleet.complete(p, d, text).result(timeout=600)
         assert answer["status"] == 200, (answer, fleet.logs(p, d))
         assert fleet.reference[text].matches(answer), (p, d, answer["text"], fleet.reference[text])
         assert fleet.metric(d, "vllm:external_prefix_cache_hits_total") > hits0, "the prompt was recomputed on D"
         assert fleet.metric(d, "vllm:nixl_xfer_time_seconds_count") == reads0 + 1
-        assert fleet.metric(d, "vllm:nixl_num_failed_transfers_total") == 0
+        assert fleet.metric(d, "vllm:nixl_num_failed_transfers_total") == failed0
     assert fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total") >= 1
-    assert fleet.metric("d_kv", "vllm:kvlease_leases_lost_total") == 0
-    assert fleet.metric("d_kv", "vllm:kvlease_stale_reads_caught_total") == 0
     pd.wait_until(lambda: fleet.metric("p_kv", "vllm:kvlease_leases_completed_total") >= 1, 30, "P's read-done")
 
 
@@ -93,41 +92,41 @@ def test_request_queued_longer_than_the_lease_is_served_from_transferred_kv(flee
     heartbeats hold P's blocks, and the READ succeeds (no recompute). kvlease's pair only (the
     fillers' decoding on both decoders would starve this 2-core machine)."""
     fillers = fleet.fill("d_kv", LEASE * 1.8)
-    pd.wait_until(lambda: fleet.metric("d_kv", "vllm:num_requests_running") >= pd.D_SEQS, 120, "D's slots filled")
-    renewed0 = fleet.metric("p_kv", "vllm:kvlease_leases_renewed_total")
-    done0 = fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total")
-    lost0 = fleet.metric("d_kv", "vllm:kvlease_leases_lost_total")
-    text = pd.prompt("overload", "p_kv->d_kv")
-    future = fleet.complete("p_kv", "d_kv", text)
-    pd.wait_until(lambda: fleet.waiting("d_kv"), 120, "the request to wait in D's queue")
-    queued_at = time.monotonic()
-    # How long D went without decoding a token while the request waited: a decoder that gets no
-    # CPU sends no heartbeat either (the lease then ends, rightly).
-    stall, last, tokens = 0.0, queued_at, fleet.metric("d_kv", "vllm:generation_tokens_total")
-    while not future.done():
-        now_tokens = fleet.metric("d_kv", "vllm:generation_tokens_total")
-        if now_tokens != tokens:
-            tokens, last = now_tokens, time.monotonic()
-        stall = max(stall, time.monotonic() - last)
-        time.sleep(0.5)
-    queued = time.monotonic() - queued_at
-    answer = future.result()
-    assert answer["status"] == 200, (answer, fleet.logs("p_kv", "d_kv"))
-    assert fleet.reference[text].matches(answer), (answer["text"], fleet.reference[text])
-    if queued <= LEASE:
-        pytest.fail(f"the request waited only {queued:.1f} s in D's queue (lease {LEASE} s): fillers too short")
-    lost = fleet.metric("d_kv", "vllm:kvlease_leases_lost_total") - lost0
-    print(
-        f"\noverload: queued {queued:.1f} s (lease {LEASE} s), D's longest stall {stall:.1f} s, lease lost: {lost > 0}"
-    )
-    if lost and stall >= LEASE / 2:
-        pytest.skip(f"D decoded nothing for {stall:.1f} s while the request waited (a starved machine): "
-                    "no heartbeat went out, the lease ended and the prompt was recomputed (rightly)")  # fmt: skip
-    assert not lost, fleet.logs("p_kv", "d_kv")
-    assert fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total") > done0, "recomputed, not read"
-    assert fleet.metric("p_kv", "vllm:kvlease_leases_renewed_total") > renewed0
-    for filler in fillers:
-        filler.result(timeout=900)
+    try:
+        pd.wait_until(lambda: fleet.metric("d_kv", "vllm:num_requests_running") >= pd.D_SEQS, 120, "D's slots filled")
+        renewed0 = fleet.metric("p_kv", "vllm:kvlease_leases_renewed_total")
+        done0 = fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total")
+        lost0 = fleet.metric("d_kv", "vllm:kvlease_leases_lost_total")
+        text = pd.prompt("overload", "p_kv->d_kv")
+        future = fleet.complete("p_kv", "d_kv", text)
+        pd.wait_until(lambda: fleet.waiting("d_kv"), 120, "the request to wait in D's queue")
+        queued_at = time.monotonic()
+        # How long D went without decoding a token while the request waited: a decoder that gets no
+        # CPU sends no heartbeat either (the lease then ends, rightly).
+        stall, last, tokens = 0.0, queued_at, fleet.metric("d_kv", "vllm:generation_tokens_total")
+        while not future.done():
+            now_tokens = fleet.metric("d_kv", "vllm:generation_tokens_total")
+            if now_tokens != tokens:
+                tokens, last = now_tokens, time.monotonic()
+            stall = max(stall, time.monotonic() - last)
+            time.sleep(0.5)
+        queued = time.monotonic() - queued_at
+        answer = future.result()
+        assert answer["status"] == 200, (answer, fleet.logs("p_kv", "d_kv"))
+        assert fleet.reference[text].matches(answer), (answer["text"], fleet.reference[text])
+        if queued <= LEASE:
+            pytest.fail(f"the request waited only {queued:.1f} s in D's queue (lease {LEASE} s): fillers too short")
+        lost = fleet.metric("d_kv", "vllm:kvlease_leases_lost_total") - lost0
+        print(f"\noverload: queued {queued:.1f} s (lease {LEASE} s), D's longest stall {stall:.1f} s, lost: {lost > 0}")
+        if lost and stall >= LEASE / 2:
+            pytest.skip(f"D decoded nothing for {stall:.1f} s while the request waited (a starved machine): "
+                        "no heartbeat went out, the lease ended and the prompt was recomputed (rightly)")  # fmt: skip
+        assert not lost, fleet.logs("p_kv", "d_kv")
+        assert fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total") > done0, "recomputed, not read"
+        assert fleet.metric("p_kv", "vllm:kvlease_leases_renewed_total") > renewed0
+    finally:
+        for filler in fillers:  # the next scenario needs D's slots
+            filler.result(timeout=900)
 
 
 def test_stale_read_stock_serves_wrong_text_kvlease_never(fleet: pd.Fleet) -> None:

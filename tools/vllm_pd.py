@@ -500,7 +500,9 @@ class Fleet:
     def fill(self, d: str, seconds: float) -> list[Future[dict[str, Any]]]:
         """Occupy every sequence slot of decoder `d` for about `seconds` (direct requests)."""
         assert self.client is not None
-        tokens = max(32, min(900, int(self.decode_rate * seconds)))
+        # The rate was measured on an idle decoder: two fillers at once, on a loaded machine, go
+        # slower, so the cap keeps a filler from outliving its scenario by minutes.
+        tokens = max(32, min(600, int(self.decode_rate * seconds)))
         url = f"{self.servers[d].url}/v1"
         return [
             self.client.submit(url, f"filler {i} {time.monotonic()}", tokens, extra_body={"ignore_eos": True})
