@@ -128,9 +128,11 @@ def _collector_families() -> set[str]:
     from kvlease.transports import metrics  # the metrics extra
 
     families |= {f"kvlease_{name}" for name, _field, _help in metrics._COUNTERS}
-    families |= set(
-        re.findall(r'"(kvlease_sglang_[a-z_]+)"', (ROOT / "adapters" / "sglang" / "_metrics.py").read_text())
-    )
+    sglang = (ROOT / "adapters" / "sglang" / "_metrics.py").read_text()
+    families |= set(re.findall(r'"(kvlease_sglang_[a-z_]+)"', sglang))
+    # The adapter's own counters, named after ``kvlease_sglang_`` in its ADAPTER table.
+    table = sglang[sglang.index("ADAPTER: tuple") :]
+    families |= {f"kvlease_sglang_{name}" for name in re.findall(r'^\s+\("([a-z_]+)",', table, flags=re.M)}
     return families
 
 
@@ -143,7 +145,7 @@ def test_every_metric_a_page_names_exists() -> None:
     seen = 0
     for page in all_pages():
         text = page.visible_text()
-        for m in re.finditer(r"(vllm:)?(kvlease_[a-z_]*[a-z])(?![a-z_(])", text):
+        for m in re.finditer(r"(?<![a-z_])(vllm:)?(kvlease_[a-z_]*[a-z])(?![a-z_(])", text):
             name = m.group(2)
             if name in ADAPTER_KEYS or name.endswith("_") or name in ("kvlease_connector_module_path",):
                 continue
