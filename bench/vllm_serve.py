@@ -10,7 +10,8 @@ turns), from the server's ``vllm:kvlease_lease_work_us`` and ``vllm:kvlease_leas
 
     .venv/bin/python bench/vllm_serve.py [--rounds 3] [--requests 24] [--concurrency 4]
 
-Needs the vLLM environment (bash engines/vllm/setup.sh). Start-up takes 1-3 minutes.
+Needs the vLLM environment (bash engines/vllm/setup.sh). Run time: about 6 minutes (1-3 of them
+the servers' start-up).
 """
 
 from __future__ import annotations
