@@ -3,6 +3,7 @@
 #   bash dev.sh demo [ARGS...]   the two-process loopback demo (ZMQ on 127.0.0.1)
 #   bash dev.sh test [ARGS...]   the whole test suite (what .ci/run calls)
 #   bash dev.sh bench|sim|conformance [ARGS...]   the other kvlease subcommands
+#   bash dev.sh vllm-demo [--lease S]   stock vLLM and kvlease in real vllm serve pairs, side by side
 #   bash dev.sh gates            only the static gates (ruff check, ruff format --check, mypy --strict)
 #   bash dev.sh env              only create/update the environment
 #   bash dev.sh help             this text (no command at all: test)
@@ -74,7 +75,7 @@ cmd=${1:-test}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   -h|--help|help)
-    sed -n '2,8p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     echo "With no command: test (the whole suite, engines included: 15-30 minutes)."
     exit 0 ;;
 esac
@@ -100,6 +101,9 @@ case "$cmd" in
     exec "$VENV/bin/python" -m coverage report --fail-under=95 ;;
   demo|bench|sim|conformance|version)
     exec "$VENV/bin/kvlease" "$cmd" "$@" ;;
+  vllm-demo)  # optional: four real vllm serve processes (a few minutes, about 8 GB)
+    bash engines/vllm/setup.sh
+    exec "$VENV/bin/python" tools/vllm_pd.py demo "$@" ;;
   *)
-    echo "usage: bash dev.sh {demo|test|bench|sim|conformance|version|gates|env} [ARGS...]" >&2; exit 2 ;;
+    echo "usage: bash dev.sh {demo|test|bench|sim|conformance|version|gates|env|vllm-demo} [ARGS...]" >&2; exit 2 ;;
 esac

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,11 @@ def main() -> None:
         disaggregation_bootstrap_port=PORT,
     )
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    # SGLang's scheduler process configures logging after load_plugins(), before its KV manager
+    # exists (configure_scheduler_process): the root logger, its format, stderr.
+    from sglang.srt.utils import configure_logger  # type: ignore[import-not-found]
+
+    configure_logger(sa, prefix=f" {ROLE}")
     get_parallel().override_permanently(pp_group=None)  # no torch.distributed groups: PP 1
 
     kv = [torch.zeros((NUM_PAGES, PAGE_BYTES), dtype=torch.uint8) for _ in range(LAYERS)]
@@ -96,7 +102,9 @@ def main() -> None:
     a.kv_data_ptrs = [t.data_ptr() for t in kv]
     a.kv_data_lens = [t.numel() for t in kv]
     a.kv_item_lens = [PAGE_BYTES] * LAYERS
-    a.kv_data_mem_kinds = ["DRAM"] * LAYERS  # CPU: SGLang's default (VRAM) is refused by UCX
+    # CPU: SGLang's default (VRAM) is refused by UCX. A rank started with the host-memory shim
+    # plugin (engines/sglang/shims/dram_plugin) keeps SGLang's VRAM here and lets the shim fix it.
+    a.kv_data_mem_kinds = [os.environ.get("KVLEASE_TEST_KV_MEM_KIND", "DRAM")] * LAYERS
     a.num_draft_entries, a.kv_layer_ids = 0, list(range(LAYERS))
     a.kv_head_num = a.total_kv_head_num = 1
     a.page_size = 1
@@ -125,21 +133,63 @@ def main() -> None:
     senders: dict[int, Any] = {}
     receivers: dict[int, Any] = {}
     posts: list[float] = []
-    state: dict[str, Any] = {"slow": 0.0}
+    state: dict[str, Any] = {"slow": 0.0, "slow_left": -1, "fail_after": None, "fail_late": 0.0}
     real_transfer = mgr.agent.transfer
 
+    def straggle(handle: Any, late: float, args: Any, kwargs: Any) -> None:
+        """The WRITE whose post raised is posted anyway, `late` seconds later, and driven to
+        its end (what "its writes may still land" means)."""
+        time.sleep(late)
+        posts.append(time.time())
+        real_transfer(handle, *args, **kwargs)
+        deadline = time.time() + 10
+        while mgr.agent.check_xfer_state(handle) not in ("DONE", "ERR") and time.time() < deadline:
+            time.sleep(0.001)
+
     def transfer(handle: Any, *args: Any, **kwargs: Any) -> Any:
-        if state["slow"]:
+        if state["slow"] and state["slow_left"] != 0:
+            state["slow_left"] -= 1
             time.sleep(state["slow"])  # a straggler: the WRITE is posted late
+        left = state["fail_after"]
+        if left is not None:
+            if left == 0:  # this post raises; its WRITE is still posted, later
+                state["fail_after"] = None
+                args_ = (handle, state["fail_late"], args, kwargs)
+                threading.Thread(target=straggle, args=args_, daemon=True).start()
+                raise RuntimeError("injected post error (the WRITE is posted late)")
+            state["fail_after"] = left - 1
         posts.append(time.time())
         return real_transfer(handle, *args, **kwargs)
 
     mgr.agent.transfer = transfer
+
+    # Tickets on the decode's way out (decode only): captured per room, held on request, and
+    # replayed relabelled (an attacker on the network that delays and rewrites messages).
+    tickets: dict[int, tuple[str, bytes]] = {}
+    held: list[tuple[int, str, bytes]] = []
+    hold_rooms: set[int] = set()
+    real_push = rt.transport.push if rt is not None else None
+
+    def push(address: str, kind: bytes, payload: bytes, **kw: Any) -> None:
+        assert real_push is not None
+        if kind == b"T":
+            import msgpack
+
+            room_t = msgpack.unpackb(payload, raw=False)["room"]
+            tickets[room_t] = (address, payload)
+            if room_t in hold_rooms:
+                held.append((room_t, address, payload))
+                return
+        real_push(address, kind, payload, **kw)
+
+    if rt is not None and ROLE == "decode":
+        rt.transport.push = push  # type: ignore[method-assign]
     answer(
         {
             "ok": True,
             "classes": classes,
             "manager": type(mgr).__name__,
+            "mro": [k.__name__ for k in type(mgr).__mro__],
             "engine_id": rt.engine_id if rt else None,
             "rank_port": mgr.rank_port,
             "pid": os.getpid(),
@@ -249,12 +299,49 @@ def main() -> None:
                 for p in cmd["pages"]:
                     for t in kv:
                         t[p].fill_(cmd["value"])
+                if cmd.get("aux") is not None:
+                    aux[cmd["aux"]].fill_(cmd["value"])
                 answer({"ok": True, "t": time.time()})
-            elif op == "slow_post":
+            elif op == "slow_post":  # every post (or the next `count`) waits `seconds` first
                 state["slow"] = cmd["seconds"]
+                state["slow_left"] = cmd.get("count", -1)
                 answer({"ok": True})
             elif op == "posts":
                 answer({"ok": True, "posts": posts})
+            elif op == "fail_post":  # the post `after` posts from now raises; its WRITE lands `late` s later
+                state["fail_after"], state["fail_late"] = cmd["after"], cmd["late"]
+                answer({"ok": True})
+            elif op == "pause_before":  # the next call of a manager method waits first (a late post)
+                name, seconds = cmd["method"], cmd["seconds"]
+                original = getattr(mgr, name)
+
+                def paused(*a: Any, _o: Any = original, _n: str = name, _s: float = seconds, **k: Any) -> Any:
+                    mgr.__dict__.pop(_n, None)
+                    time.sleep(_s)
+                    return _o(*a, **k)
+
+                setattr(mgr, name, paused)
+                answer({"ok": True})
+            elif op == "hold_tickets":
+                hold_rooms.update(cmd["rooms"])
+                answer({"ok": True})
+            elif op == "release_tickets":
+                assert real_push is not None
+                rooms = set(cmd["rooms"])
+                hold_rooms.difference_update(rooms)
+                for item in [h for h in held if h[0] in rooms]:
+                    held.remove(item)
+                    real_push(item[1], b"T", item[2])
+                answer({"ok": True})
+            elif op == "forge_ticket":  # room `from_room`'s ticket, relabelled as `as_room`
+                import msgpack
+
+                assert real_push is not None
+                address, payload = tickets[cmd["from_room"]]
+                forged = msgpack.unpackb(payload, raw=False)
+                forged["room"] = cmd["as_room"]
+                real_push(address, b"T", msgpack.packb(forged, use_bin_type=True))
+                answer({"ok": True})
             elif op == "source_live":
                 answer({"ok": True, "live": bool(runtime().source_live(cmd["room"]))})
             elif op == "validity":  # seconds of validity left on each lease this rank accesses
@@ -262,10 +349,9 @@ def main() -> None:
                 with lr._lock:
                     now = lr.driver.now()
                     left: dict[str, float | None] = {}
-                    for key in sorted(lr._tracked.get(cmd["room"], set())):
-                        if key.startswith(cmd.get("prefix", "d:")):
-                            vu = lr.accessor.valid_until(key)
-                            left[key] = None if vu is None else vu - now
+                    for key in lr.keys(cmd["room"], cmd.get("prefix", "d:")):
+                        vu = lr.accessor.valid_until(key)
+                        left[key] = None if vu is None else vu - now
                 answer({"ok": True, "left": left, "t": time.time()})
             elif op == "dest_expiry":  # decode: seconds until each destination lease's expiry
                 lr = runtime()
@@ -284,9 +370,74 @@ def main() -> None:
                         "stats": {k: v for k, v in lr.stats.snapshot().items()},
                         "writes_refused": lr.writes_refused,
                         "rooms_failed": lr.rooms_failed,
+                        "tickets_refused": getattr(lr, "tickets_refused", 0),
                         "dropped": lr.transport.dropped + getattr(mgr, "kvlease_dropped", 0),
                     }
                 )
+            elif op == "multiproc_metrics":  # what SGLang's /metrics serves (--enable-metrics)
+                from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+                registry = CollectorRegistry()
+                multiprocess.MultiProcessCollector(registry, path=cmd["path"])  # type: ignore[no-untyped-call]
+                answer({"ok": True, "text": generate_latest(registry).decode()})
+            elif op == "compose":  # the hook over another plugin's classes (its AROUND hook inside ours)
+                from kvlease.adapters.sglang import kv_class_hook
+                from sglang.srt.disaggregation.nixl.conn import (  # type: ignore[import-not-found]
+                    NixlKVManager,
+                    NixlKVReceiver,
+                    NixlKVSender,
+                )
+
+                composed: dict[str, dict[str, Any]] = {}
+                for kind, base in (("MANAGER", NixlKVManager), ("SENDER", NixlKVSender), ("RECEIVER", NixlKVReceiver)):
+                    other = type(f"OtherPlugin{base.__name__}", (base,), {})
+                    cls = kv_class_hook(lambda *a, _o=other, **k: _o, nixl, getattr(KVClassType, kind))
+                    composed[kind] = {
+                        "mro": [k.__name__ for k in cls.__mro__][:6],
+                        "is_other": issubclass(cls, other),
+                        "leased": any(k.__module__.startswith("kvlease.") for k in cls.__mro__),
+                    }
+                answer({"ok": True, "classes": composed})
+            elif op == "queue_drill":  # the plugin's gated queue over SGLang's FastQueue, counted
+                import collections
+                import types
+
+                from kvlease.adapters.sglang._nixl import _GatedQueue
+                from sglang.srt.disaggregation.common.utils import FastQueue  # type: ignore[import-not-found]
+
+                fq = FastQueue()
+                checks: collections.Counter[int] = collections.Counter()
+                ready_rooms = set(cmd["ready"])
+
+                def ready(
+                    chunk: Any, _checks: collections.Counter[int] = checks, _ready: set[int] = ready_rooms
+                ) -> bool:
+                    _checks[chunk.room] += 1
+                    return chunk.room in _ready
+
+                gated = _GatedQueue(fq, ready, cmd["patience"], 0.002, lambda: None)
+                for room_c, idx in cmd["chunks"]:
+                    fq.put(types.SimpleNamespace(room=room_c, idx=idx, is_last_chunk=False))
+                taken: list[dict[str, Any]] = []
+                for n in range(cmd["take"]):
+                    if n == cmd.get("ready_at", -1):
+                        ready_rooms.add(cmd["ready_room"])
+                    before = dict(checks)
+                    t_get = time.monotonic()
+                    chunk = gated.get()
+                    taken.append(
+                        {
+                            "room": chunk.room,
+                            "idx": chunk.idx,
+                            "s": time.monotonic() - t_get,
+                            "checks": {str(k): v - before.get(k, 0) for k, v in checks.items()},
+                        }
+                    )
+                answer({"ok": True, "taken": taken, "can_defer": gated.can_defer})
+            elif op == "sglang_defaults":  # what SGLang itself says its defaults are
+                from sglang.srt.environ import envs  # type: ignore[import-not-found]
+
+                answer({"ok": True, "defaults": {name: repr(getattr(envs, name).default) for name in cmd["names"]}})
             elif op == "metrics":
                 from prometheus_client import REGISTRY, generate_latest
 
@@ -302,8 +453,6 @@ def main() -> None:
                 sock.close()
                 answer({"ok": True})
             elif op == "alive":  # SGLang's socket threads still serve
-                import threading
-
                 answer({"ok": True, "threads": sorted(t.name for t in threading.enumerate())})
             elif op == "discover":  # SGLang's plugin discovery under a given SGLANG_PLUGINS
                 saved = os.environ.get("SGLANG_PLUGINS")

@@ -13,6 +13,7 @@ pinner TP above accessor TP, one outstanding round — and each scope is clean o
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -55,12 +56,12 @@ def _only(*families: str) -> frozenset[str]:
 
 #: bug -> (scope, words the schedule must contain, most actions it may take)
 HOLES: dict[str, tuple[Scope, tuple[str, ...], int]] = {
-    "retrack": (
+    "retrack-accepted": (
         Scope(depth=12, without=_only("grant", "track", "deliver", "begin", "fail", "finish", "retrack")),
         ("re-track given-up", "access_failed"),
         11,
     ),
-    "wrong-rank": (
+    "no-rank-check": (
         Scope(
             pinner_ranks=2,
             accessor_ranks=2,
@@ -78,7 +79,7 @@ HOLES: dict[str, tuple[Scope, tuple[str, ...], int]] = {
         ("disconnect", "HeartbeatAck(seq=2"),
         15,
     ),
-    "retry-failed-transfer": (
+    "retry-posted-failure": (
         Scope(depth=11, without=_only("grant", "track", "deliver", "begin", "fail", "finish")),
         ("access_failed k1 on decode-0.0 (landed)",),
         10,
@@ -88,7 +89,7 @@ HOLES: dict[str, tuple[Scope, tuple[str, ...], int]] = {
         ("advance real time", "deliver Heartbeat"),
         8,
     ),
-    "no-margin": (
+    "no-drift-margin": (
         Scope(depth=9, without=_only("grant", "track", "deliver", "advance")),
         ("deliver HeartbeatAck",),
         9,
@@ -111,14 +112,14 @@ V3_HOLES: dict[str, tuple[Scope, tuple[str, ...], int, str]] = {
         "past pinner rank 0's expiry",
     ),
     # A push WRITE fails after posting; it may land until begin + A.
-    "posted-release": (
+    "posted-release-frees": (
         Scope(depth=10, kinds=("push",), rates=(1.0, 1.0), without=_only("grant", "track", "deliver", "begin", "fail")),
         ("access_failed k1 on decode-0.0 (posted)", "deliver Release"),
         10,
         "may still land",
     ),
     # Pinner TP 2, accessor TP 1: one part's notification reaches the other pinner rank.
-    "wrong-part": (
+    "no-to-rank": (
         Scope(
             pinner_ranks=2,
             depth=11,
@@ -137,7 +138,7 @@ V3_HOLES: dict[str, tuple[Scope, tuple[str, ...], int, str]] = {
         "over the 1024-byte frame bound",
     ),
     # One round outstanding at most, tracks faster than acks return, no loss.
-    "rounds": (
+    "chunk-bound": (
         Scope(
             leases=2,
             depth=10,
@@ -174,12 +175,12 @@ def test_each_v3_hole_is_found_in_its_deployment_and_the_fixed_core_is_clean(bug
 
 
 def test_a_posted_failed_push_write_is_held_to_expiry_and_guard_on_the_fixed_core() -> None:
-    """The clean side of posted-release, with time: the double's schedule on the fixed core,
+    """The clean side of posted-release-frees, with time: the double's schedule on the fixed core,
     then time runs to each instant that matters and the pinner handles its timeouts. The
     destination outlives the WRITE's landing bound, is freed at expiry + guard, and no audit
     trips on the way (an exhaustive run to that depth is ~100k states: too dear for every run)."""
-    scope, _, _, _ = V3_HOLES["posted-release"]
-    pinner_cls, accessor_cls, _ = CHECK_BUGS["posted-release"]
+    scope, _, _, _ = V3_HOLES["posted-release-frees"]
+    pinner_cls, accessor_cls, _ = CHECK_BUGS["posted-release-frees"]
     cx = explore(scope, pinner_cls, accessor_cls).violation
     assert cx is not None
     timed = attrs.evolve(scope, without=scope.without - {"advance"})
@@ -227,7 +228,8 @@ def test_the_same_scopes_are_clean_on_the_fixed_core() -> None:
 #: The CI scopes: every action family but drop (subsumed by holding a message forever) and
 #: cross-engine misdelivery (one engine), all clock-rate extremes, exhaustive to the depth.
 CI_SCOPES = [
-    Scope(depth=8, without=frozenset({"drop", "cross"})),
+    # Depth 7 in CI (29,588 states; KVLEASE_CHECK_DEPTH=8: 117,395, four times the cost).
+    Scope(depth=int(os.environ.get("KVLEASE_CHECK_DEPTH", "7")), without=frozenset({"drop", "cross"})),
     Scope(depth=6, kinds=("renewable", "fixed", "push"), without=frozenset({"drop", "cross"})),
     Scope(pinner_ranks=2, accessor_ranks=2, depth=6, without=frozenset({"drop", "cross"})),
     Scope(pinner_ranks=1, accessor_ranks=2, depth=5, without=frozenset({"drop", "cross"})),
@@ -249,9 +251,9 @@ def test_fixed_core_has_no_violation_in_the_ci_scope() -> None:
         total += result.states
     wall = time.perf_counter() - t0
     print(f"CI scope: {total:,} states in {wall:.1f} s")
-    assert total > 150_000  # non-trivial: the happy path, faults and time all branch
+    assert total > 100_000  # non-trivial: the happy path, faults and time all branch
     # Its cost stays bounded by the state count (deterministic), never by the wall clock of a
-    # shared machine: ~196k states today, a few minutes on one loaded core.
+    # shared machine: ~108k states today (~196k at depth 8), a few minutes on one loaded core.
     assert total < 400_000
 
 
@@ -284,8 +286,8 @@ def test_unbound_handshake_late_duplicate_after_a_pinner_restart_is_found() -> N
 
 
 def test_violation_becomes_a_vector_the_conformance_runner_replays(tmp_path: Path) -> None:
-    scope, _, _ = HOLES["retry-failed-transfer"]
-    pinner_cls, accessor_cls, _ = CHECK_BUGS["retry-failed-transfer"]
+    scope, _, _ = HOLES["retry-posted-failure"]
+    pinner_cls, accessor_cls, _ = CHECK_BUGS["retry-posted-failure"]
     cx = explore(scope, pinner_cls, accessor_cls).violation
     assert cx is not None
     vector = to_vector(scope, cx, "check_retry", pinner_cls, accessor_cls)
@@ -324,7 +326,7 @@ def test_cli_writes_the_candidate_and_conformance_replays_it(tmp_path: Path) -> 
     assert "violations: 0" in clean.output
 
 
-@pytest.mark.parametrize("bug", ["no-ack-budget", "posted-release", "rounds"])
+@pytest.mark.parametrize("bug", ["no-ack-budget", "posted-release-frees", "chunk-bound"])
 def test_cli_finds_a_v3_hole_with_its_hinted_scope_and_hints_it_otherwise(bug: str, tmp_path: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(main, ["check", "--inject-bug", bug, *BUG_HINTS[bug].split(), "--json", "--out", str(tmp_path)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -129,6 +130,8 @@ BAD_INVOCATIONS: list[tuple[list[str], str, str]] = [
     (["demo", "--requests", "0"], "--requests", "1<=x<=4096"),
     (["demo", "--requests", "5000"], "--requests", "1<=x<=4096"),
     (["demo", "--metrics-port", "65536"], "--metrics-port", "0<=x<=65535"),
+    (["demo", "--patience", "0"], "--patience", "0.0<x<=100.0"),
+    (["demo", "--patience", "nan"], "--patience", "positive factor"),
     (["check", "-p", "3"], "--pinner-ranks", "1, 2 or 4"),
     (["check", "-a", "0"], "--accessor-ranks", "1, 2 or 4"),
     (["check", "--leases", "4"], "--leases", "1<=x<=3"),
@@ -236,3 +239,35 @@ def test_every_option_has_help_and_every_number_a_range(name: str) -> None:
             param.type, (click.IntRange, click.FloatRange)
         )
         assert not unchecked or param.callback is not None, f"{name} {param.opts} takes any {param.type.name}"
+
+
+def _double(factory: object) -> object:
+    """The broken core a registry entry runs: the class a simulator factory closes over, or the
+    entry itself (a class, or a factory function both registries share)."""
+    cells = getattr(factory, "__closure__", None) or ()
+    return next((c.cell_contents for c in cells if isinstance(c.cell_contents, type)), factory)
+
+
+def test_a_bug_has_one_name_in_check_and_in_sim() -> None:
+    from kvlease import Accessor, Pinner
+    from kvlease.check import CHECK_BUGS, RENAMED_BUGS
+    from kvlease.sim import BUGS
+
+    in_sim: dict[object, str] = {_double(f): name for name, pair in BUGS.items() for f in pair if f is not None}
+    in_check: dict[object, str] = {
+        d: name for name, (p, a, _) in CHECK_BUGS.items() for d in (p, a) if d not in (Pinner, Accessor)
+    }
+    shared = set(in_sim) & set(in_check)
+    assert len(shared) >= 11, shared  # every double both registries run
+    assert {in_check[d]: in_sim[d] for d in shared if in_sim[d] != in_check[d]} == {}
+    # The earlier check names still work, each for a name that exists, none shadowing one.
+    assert set(RENAMED_BUGS.values()) <= set(CHECK_BUGS) and not set(RENAMED_BUGS) & set(CHECK_BUGS)
+
+
+def test_an_earlier_inject_bug_name_still_runs_and_says_what_it_is_now() -> None:
+    result = CliRunner().invoke(main, ["check", "--inject-bug", "rounds", "--depth", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "--inject-bug rounds is deprecated: it is now chunk-bound" in result.stderr
+    assert json.loads(result.stdout)["scope"]["inject_bug"] == "chunk-bound"
+    help_text = " ".join(CliRunner().invoke(main, ["check", "--help"], terminal_width=200).output.split())
+    assert "Deprecated earlier names, still accepted:" in help_text and "rounds (now chunk-bound)" in help_text

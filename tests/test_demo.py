@@ -67,8 +67,11 @@ def check_against_bounds(out: dict[str, Any], transport: str) -> None:
     crash = by_name["crash"]["figures"]
     assert crash["frees"] == {"expired": n}
     # Freed by max(grant + lease, last heartbeat + extension) + tick; both are before the kill.
-    assert crash["reclaim_after_kill_s"] <= max(cfg.kv_lease_duration, cfg.lease_extension) + SLACK
-    assert crash["reclaim_after_last_heartbeat_s"] <= cfg.kv_lease_duration + SLACK
+    # On a loaded machine the free reaches the engine as late as the pinner's loop ran (it
+    # measures that itself: a starved process, not a late decision).
+    starved = crash["pinner_loop_late_at_free_s"]
+    assert crash["reclaim_after_kill_s"] <= max(cfg.kv_lease_duration, cfg.lease_extension) + SLACK + starved
+    assert crash["reclaim_after_last_heartbeat_s"] <= cfg.kv_lease_duration + SLACK + starved
     assert crash["dead_block_seconds"] < crash["baseline_dead_block_seconds"] / 100
 
     part = by_name["partition"]["figures"]
@@ -76,7 +79,8 @@ def check_against_bounds(out: dict[str, Any], transport: str) -> None:
     assert part["stale_reads_caught"] == n and part["reads_valid"] == 0
     # The baseline read (no lease check) really returned someone else's blocks.
     assert part["baseline_corrupt_reads"] == n
-    assert part["reclaim_after_last_heartbeat_s"] <= cfg.lease_extension + cfg.heartbeat_interval + SLACK
+    starved = part["pinner_loop_late_at_free_s"]
+    assert part["reclaim_after_last_heartbeat_s"] <= cfg.lease_extension + cfg.heartbeat_interval + SLACK + starved
 
     bidi = by_name["bidirectional"]["figures"]
     assert bidi["deadline_conversion_slack_ms"] >= 0.0  # never later than the pinner's deadline

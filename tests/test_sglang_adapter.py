@@ -14,13 +14,14 @@ E = 2d/3 ≈ 2.667 s, E_a ≈ 2.616 s; A = 1.5 s, so A_l = G ≈ 1.5 s.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _sglang_helpers import Rank, free_port, need_sglang
+from _sglang_helpers import ROOT, Rank, free_port, need_sglang
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +44,9 @@ ENV = {
     # at its default (>= 10 s), so it cannot be what fails a room here.
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3",
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3",
+    # A deployment key on every rank: frames and tickets sealed (issue 23, hole 3).
+    "SGLANG_KVLEASE_AUTH_KEYS": "env:KVLEASE_TEST_KEY",
+    "KVLEASE_TEST_KEY": "5e" * 32,
 }
 
 
@@ -50,9 +54,23 @@ class Cluster:
     def __init__(self, tmp: Path) -> None:
         self.port1 = free_port()
         self.port2 = free_port()
-        self.p1 = Rank("prefill", self.port1, ENV, tmp / "p1.log")
+        # P1 as SGLang runs it with --enable-metrics: prometheus_client in multiprocess mode,
+        # the files SGLang's /metrics reads (MultiProcessCollector) in this directory.
+        self.prom_dir = tmp / "prom-p1"
+        self.prom_dir.mkdir()
+        self.p1 = Rank("prefill", self.port1, {**ENV, "PROMETHEUS_MULTIPROC_DIR": str(self.prom_dir)}, tmp / "p1.log")
         self.d = Rank("decode", self.port1, ENV, tmp / "d.log")
-        self.p2 = Rank("prefill", self.port2, ENV, tmp / "p2.log")
+        # P2 loads a second plugin beside kvlease, the host-memory shim (the project's own, as a
+        # CPU deployment runs it): SGLang's VRAM registration is left to it, so P2 starts only if
+        # the two plugins' classes compose.
+        shim = ROOT / "engines" / "sglang" / "shims" / "dram_plugin"
+        p2_env = {
+            **ENV,
+            "SGLANG_PLUGINS": "kvlease,cpu_dram_kv",
+            "KVLEASE_TEST_KV_MEM_KIND": "VRAM",
+            "PYTHONPATH": os.pathsep.join(x for x in (str(shim), os.environ.get("PYTHONPATH", "")) if x),
+        }
+        self.p2 = Rank("prefill", self.port2, p2_env, tmp / "p2.log")
         self.ranks = [self.p1, self.d, self.p2]
         for r in self.ranks:
             r.wait_ready()
@@ -103,7 +121,10 @@ def wait_validity(p: Rank, room: int, at_least: float) -> dict[str, float]:
 
 
 def test_plugin_loads_through_load_plugins(cluster: Cluster) -> None:
-    for r in cluster.ranks:
+    # Beside another plugin's AROUND hook on get_kv_class: both classes apply, whichever is inside.
+    assert {"LeaseManagerMixin", "DramNixlKVManager", "NixlKVManager"} <= set(cluster.p2.hello["mro"])
+    assert "cpu_dram_kv: NIXL KV buffers registered as DRAM" in cluster.p2.tail(100000)
+    for r in (cluster.p1, cluster.d):
         assert r.hello["manager"] == "LeaseNixlKVManager"
         # The module-level get_kv_class copies SGLang's prefill and decode queues call.
         assert r.hello["classes"] == {
@@ -244,6 +265,262 @@ def test_abort_while_writing_never_lands_in_reused_pages(cluster: Cluster) -> No
     assert st["status"] == "Failed", st
     c.p1.call("clear", room=room)
     c.d.call("clear", room=room)
+
+
+# -- 4b. issue 23: every WRITE under the gate, every release after the last WRITE can land ------
+
+
+def wait_posted_after(p: Rank, t: float, within: float = 10.0) -> list[float]:
+    """P's post times, once one is later than `t` (the straggler has been posted)."""
+    deadline = time.time() + within
+    posts: list[float] = p.call("posts")["posts"]
+    while not (posts and posts[-1] > t) and time.time() < deadline:
+        time.sleep(0.05)
+        posts = p.call("posts")["posts"]
+    assert posts and posts[-1] > t, "the straggling WRITE was never posted"
+    return posts
+
+
+def test_abort_during_a_non_final_chunk_waits_for_its_write(cluster: Cluster) -> None:
+    # Hole 1: a non-final chunk's WRITE is an access the core approved and hears the end of, so
+    # P's untrack (the inflight queue's failure_exception() -> clear()) cannot free D's pages
+    # while that WRITE may still land.
+    c, room = cluster, 110
+    src, dst = [10, 11, 12, 13], [14, 15, 16, 17]
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(1, 1))
+    wait_validity(c.p1, room, A + 0.5)
+    c.p1.call("slow_post", seconds=0.8, count=1)
+    try:
+        c.p1.call("send", room=room, pages=src[:2])  # a non-final chunk, its WRITE posted 0.8 s late
+        time.sleep(0.15)
+        t_abort = c.d.call("abort", room=room)["t"]
+        assert c.p1.call("wait", room=room, statuses=["Failed"], within=5)["status"] == "Failed"
+        c.p1.call("clear", room=room)  # what SGLang's prefill does with a Failed room
+        freed = c.d.call("wait_release_safe", room=room, within=E + G + SLACK + 2)
+        assert freed["safe"], "D's destination lease never ended"
+        c.d.call("canary", pages=dst[:2], value=78)
+        posts = wait_posted_after(c.p1, t_abort)
+    finally:
+        c.p1.call("slow_post", seconds=0.0)
+    time.sleep(0.3)  # a late WRITE has landed by now
+    pages = c.d.call("pages", pages=dst[:2])["pages"]
+    assert all(pages[str(p)] == [[78], [78]] for p in dst[:2]), f"a non-final chunk's WRITE hit reused pages: {pages}"
+    assert freed["t"] > posts[-1], "D freed its pages before the chunk's WRITE was even posted"
+    print(f"\nabort during a non-final chunk: D freed {freed['t'] - posts[-1]:.3f}s after its late WRITE was posted")
+    c.d.call("clear", room=room)
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["non-final-chunk", "final-chunk"])
+def test_a_post_error_holds_the_pages_to_expiry_plus_guard(cluster: Cluster, last: bool) -> None:
+    # Hole 2: SGLang poisons the room's ABORT_ACK when a post raised (its WRITE may still land).
+    # The lease is given up as *posted*: D keeps the pages to expiry + G, never less.
+    c, room = cluster, 111 + int(last)
+    src, dst, d_aux = [4, 5, 6, 7], [18, 19, 20, 21], 2
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(2, d_aux))
+    v = wait_validity(c.p1, room, A)
+    window_end = time.time() + min(v.values())  # P's window reaches at least this far
+    # Final chunk: its KV WRITE is posted, its aux WRITE's post raises (and is posted 0.8 s
+    # later); non-final chunk: its one KV WRITE's post raises (and is posted 0.8 s later).
+    c.p1.call("fail_post", after=1 if last else 0, late=0.8)
+    t_send = c.p1.call("send", room=room, pages=src if last else src[:2])["t"]
+    st = c.p1.call("wait", room=room, statuses=["Failed", "Success"], within=10)
+    assert st["status"] == "Failed", st
+    c.p1.call("clear", room=room)
+    assert c.d.call("wait", room=room, statuses=["Failed", "Success"], within=10)["status"] == "Failed"
+    freed = c.d.call("wait_release_safe", room=room, within=E + G + SLACK + 2)
+    assert freed["safe"], "D's destination lease never ended"
+    c.d.call("canary", pages=dst, value=79, aux=d_aux)
+    posts = wait_posted_after(c.p1, t_send + 0.5)
+    time.sleep(0.3)
+    got = c.d.call("pages", pages=dst, aux=d_aux)
+    assert all(got["pages"][str(p)] == [[79], [79]] for p in dst) and got["aux"] == [79], (
+        f"the WRITE whose post raised landed in reused memory: {got}"
+    )
+    assert freed["t"] > posts[-1], "D freed before the WRITE whose post raised was posted"
+    assert freed["t"] >= window_end + G - 0.05, f"D freed {window_end + G - freed['t']:.3f}s before expiry + G"
+    print(f"\npost error ({'final' if last else 'non-final'} chunk): D freed {freed['t'] - t_send:.3f}s after the send")
+    c.d.call("clear", room=room)
+
+
+def test_a_relabelled_ticket_moves_no_lease(cluster: Cluster) -> None:
+    # Hole 3: under a deployment key, room 121's ticket relabelled as room 120 (the genuine
+    # ones delayed behind it) must not become the lease that guards room 120's pages.
+    c, r20, r21 = cluster, 120, 121
+    c.d.call("hold_tickets", rooms=[r20, r21])
+    try:
+        bootstrap(c, c.p1, c.port1, r21, [3, 4], [24, 25], aux=(3, 3))
+        bootstrap(c, c.p1, c.port1, r20, [1, 2], [22, 23], aux=(4, 4))
+        c.d.call("forge_ticket", from_room=r21, as_room=r20)
+        time.sleep(0.3)
+    finally:
+        c.d.call("release_tickets", rooms=[r20, r21])
+    wait_validity(c.p1, r20, A)
+    c.p1.call("send", room=r20, pages=[1, 2])
+    assert c.p1.call("wait", room=r20, statuses=["Success", "Failed"], within=20)["status"] == "Success"
+    assert c.d.call("wait", room=r20, statuses=["Success", "Failed"], within=20)["status"] == "Success"
+    # Room 120's WRITE ran under room 120's lease: its access-done ended that one, no other.
+    assert c.d.call("wait_release_safe", room=r20, within=1.0)["safe"], "room 120's WRITE ran under another lease"
+    assert not c.d.call("release_safe", room=r21)["safe"], "room 121's pages were freed by room 120's WRITE"
+    assert c.p1.call("stats")["tickets_refused"] >= 1, "the relabelled ticket was not refused"
+    wait_validity(c.p1, r21, A)  # room 121's genuine ticket was tracked after all
+    c.p1.call("send", room=r21, pages=[3, 4])
+    assert c.d.call("wait", room=r21, statuses=["Success", "Failed"], within=20)["status"] == "Success"
+    pages = c.d.call("pages", pages=[22, 23, 24, 25])["pages"]
+    want = c.p1.call("expected", pages=[1, 2, 3, 4])["pages"]
+    assert [pages[str(d)] for d in (22, 23, 24, 25)] == [want[str(s)] for s in (1, 2, 3, 4)]
+    for room in (r20, r21):
+        c.p1.call("clear", room=room)
+        c.d.call("clear", room=room)
+
+
+def test_a_write_slower_than_any_timeout_keeps_the_pages(cluster: Cluster) -> None:
+    # Hole 4: SGLang awaits its WRITEs without a bound and the plugin cannot cancel them, so no
+    # timeout of the plugin's may give the lease up: D keeps the pages until the WRITE landed.
+    c, room = cluster, 122
+    src, dst = [8, 9], [26, 27]
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(5, 5))
+    wait_validity(c.p1, room, A)
+    slow = 8.0  # past the driver's default transfer timeout (A_l + I) plus expiry + G after it
+    c.p1.call("slow_post", seconds=slow, count=1)
+    try:
+        t0 = c.p1.call("send", room=room, pages=src)["t"]
+        time.sleep(max(0.0, t0 + slow - 1.0 - time.time()))
+        assert not c.d.call("release_safe", room=room)["safe"], "D's pages were freed while P's WRITE was running"
+        st = c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=10)
+    finally:
+        c.p1.call("slow_post", seconds=0.0)
+    assert st["status"] == "Success", st
+    assert c.d.call("wait", room=room, statuses=["Success", "Failed"], within=10)["status"] == "Success"
+    pages = c.d.call("pages", pages=dst)["pages"]
+    want = c.p1.call("expected", pages=src)["pages"]
+    assert [pages[str(d)] for d in dst] == [want[str(s)] for s in src]
+    assert "ran past" in c.p1.tail(20000), "P did not warn that a WRITE outlasted the access-time bound"
+    c.p1.call("clear", room=room)
+    c.d.call("clear", room=room)
+
+
+def test_a_room_waiting_for_its_lease_does_not_stall_the_worker(cluster: Cluster) -> None:
+    # Hole 5: one transfer worker serves many rooms; a room whose lease is not here yet must not
+    # hold the rooms queued behind it (it used to sleep in the worker for up to I).
+    c, stalled, fast = cluster, 123, 124
+    c.d.call("hold_tickets", rooms=[stalled])
+    try:
+        bootstrap(c, c.p1, c.port1, stalled, [0, 1], [28, 29], aux=(6, 6))
+        bootstrap(c, c.p1, c.port1, fast, [2, 3], [30, 31], aux=(7, 7))
+        wait_validity(c.p1, fast, A)
+        c.p1.call("send", room=stalled, pages=[0, 1])  # first in the (one) worker's queue
+        t = c.p1.call("send", room=fast, pages=[2, 3])["t"]
+        st = c.p1.call("wait", room=fast, statuses=["Success", "Failed"], within=10)
+        assert st["status"] == "Success", st
+        waited = st["t"] - t
+        assert waited < I / 2, f"the room behind a stalled one waited {waited:.3f}s (I = {I:.3f}s)"
+        print(f"\nthe room behind a stalled one: sent to Success in {waited:.3f}s (I = {I:.3f}s)")
+        # The stalled room never got its lease: refused after a heartbeat interval, nothing posted.
+        st = c.p1.call("wait", room=stalled, statuses=["Success", "Failed"], within=I + SLACK + 2)
+        assert st["status"] == "Failed" and "kvlease: WRITE not started" in (st["failure"] or ""), st
+    finally:
+        c.d.call("release_tickets", rooms=[stalled])
+    for room in (stalled, fast):
+        c.p1.call("clear", room=room)
+        c.d.call("clear", room=room)
+
+
+def test_a_stalled_room_costs_the_rooms_behind_it_one_check_each(cluster: Cluster) -> None:
+    # Counts, over SGLang's own FastQueue: room 900 (two chunks, first in the queue) has no lease
+    # yet; the four rooms behind it are served at once, each after at most one look at room 900;
+    # room 900's chunks follow, in their order, once its lease is there.
+    chunks = [[900, 0], [900, 1], [901, 0], [902, 0], [903, 0], [904, 0]]
+    ready = [901, 902, 903, 904]
+    got = cluster.p2.call("queue_drill", chunks=chunks, ready=ready, patience=30.0, take=6, ready_at=4, ready_room=900)
+    assert got["can_defer"]
+    taken = got["taken"]
+    assert [(t["room"], t["idx"]) for t in taken] == [(901, 0), (902, 0), (903, 0), (904, 0), (900, 0), (900, 1)]
+    for t in taken[:4]:
+        assert t["checks"].get("900", 0) <= 1, t
+        assert t["s"] < 0.1, t
+    # Never ready: handed over after `patience` (the write gate then refuses it), still in order.
+    got = cluster.p2.call("queue_drill", chunks=chunks[:3], ready=[901], patience=0.3, take=3)
+    taken = got["taken"]
+    assert [(t["room"], t["idx"]) for t in taken] == [(901, 0), (900, 0), (900, 1)]
+    assert 0.25 <= taken[1]["s"] <= 0.3 + SLACK and taken[2]["s"] < 0.05, taken
+
+
+def test_every_write_is_gated_not_only_a_chunks_first(cluster: Cluster) -> None:
+    # Hole 5: the window is checked before every WRITE of a chunk (S2 is per access), not once
+    # per chunk: a WRITE posted after the window lapsed mid-chunk is refused.
+    c, room = cluster, 126
+    src, dst = [6, 7], [12, 13]
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(1, 2))
+    wait_validity(c.p1, room, A)
+    n_posts = len(c.p1.call("posts")["posts"])
+    c.p1.call("pause_before", method="send_aux", seconds=1.5)  # the chunk's second WRITE comes late
+    c.d.proc.send_signal(signal.SIGSTOP)  # ... and D answers no heartbeat meanwhile
+    try:
+        c.p1.call("send", room=room, pages=src)
+        time.sleep(1.7)
+    finally:
+        c.d.proc.send_signal(signal.SIGCONT)
+    st = c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=10)
+    assert st["status"] == "Failed" and "kvlease: WRITE not started" in (st["failure"] or ""), st
+    assert len(c.p1.call("posts")["posts"]) == n_posts + 1, "the chunk's late WRITE was posted outside the window"
+    c.p1.call("clear", room=room)
+    assert c.d.call("wait", room=room, statuses=["Failed", "Success"], within=10)["status"] == "Failed"
+    c.d.call("clear", room=room)
+
+
+def test_a_client_abort_with_no_write_in_flight_ends_the_lease_at_once(cluster: Cluster) -> None:
+    c, room = cluster, 125
+    bootstrap(c, c.p1, c.port1, room, [5, 6], [12, 13], aux=(1, 2))
+    wait_validity(c.p1, room, A)
+    t = c.d.call("abort", room=room)["t"]
+    freed = c.d.call("wait_release_safe", room=room, within=E + G + SLACK)
+    assert freed["safe"]
+    assert freed["t"] - t < 0.5, (
+        f"the lease of an aborted room no WRITE was running for ended {freed['t'] - t:.2f}s later"
+    )
+    print(
+        f"\nD's destination lease of an aborted room, no WRITE in flight, ended {freed['t'] - t:.3f}s after the abort"
+    )
+    assert c.p1.call("wait", room=room, statuses=["Failed"], within=5)["status"] == "Failed"
+    c.p1.call("clear", room=room)
+    c.d.call("clear", room=room)
+
+
+def test_the_plugin_reports_itself_in_sglangs_logs_and_metrics(cluster: Cluster) -> None:
+    # At INFO, through SGLang's logging (its root handler and format), on every rank.
+    for r in (cluster.p1, cluster.d):
+        log = r.tail(200000)
+        line = (
+            r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (prefill|decode)\] kvlease: (prefill|decode) rank sglang:\S+ leases on"
+        )
+        assert re.search(line, log, re.M), log[-2000:]
+    # Where SGLang serves /metrics (--enable-metrics: prometheus_client's multiprocess files,
+    # read by MultiProcessCollector in the HTTP server process).
+    text = cluster.p1.call("multiproc_metrics", path=str(cluster.prom_dir))["text"]
+    assert "kvlease_sglang_writes_refused_total" in text and "kvlease_sglang_accesses_total" in text, text[-2000:]
+
+
+def test_the_docs_state_stock_sglangs_defaults(cluster: Cluster) -> None:
+    # docs/sglang.md section 4, row by row, against SGLang 0.5.23's own environ.py.
+    docs = (ROOT / "docs" / "sglang.md").read_text()
+    table = docs.split("## 4. Stock SGLang 0.5.23's defaults", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `(SGLANG_\w+)` \| ([^|]+?) \|", table, re.M))
+    assert len(rows) == 6, rows
+    got = cluster.d.call("sglang_defaults", names=sorted(rows))["defaults"]
+    shown = {"True": "1 (on)", "False": "0 (off)"}
+    for name, value in got.items():
+        assert rows[name] == shown.get(value, value), (name, rows[name], value)
+    assert "**on by default** in 0.5.23" in " ".join(docs.split())
+    section = " ".join((ROOT / "engines" / "sglang" / "README-section.md").read_text().split())
+    assert "default off" not in section
+    assert "`SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`) is on by default in 0.5.23" in section
+
+
+def test_the_get_kv_class_hook_composes_with_another_plugins_class(cluster: Cluster) -> None:
+    got = cluster.p1.call("compose")["classes"]
+    for kind, info in got.items():
+        assert info["is_other"], f"{kind}: the other plugin's class was discarded ({info['mro']})"
+        assert info["leased"], f"{kind}: not lease-enabled ({info['mro']})"
 
 
 # -- 5. P SIGKILLed while D waits: D frees within the lease bound -------------------------------

@@ -11,9 +11,11 @@ import threading
 import time
 from collections.abc import Iterator
 
+import attrs
+import msgpack
 import pytest
 import zmq
-from kvlease.adapters.sglang._lease import LeaseRuntime, RoomEvent
+from kvlease.adapters.sglang._lease import LeaseRuntime, Peer, RoomEvent, engine_name, pages_digest
 from kvlease.adapters.sglang._settings import ENV, Settings, load_settings
 from kvlease.adapters.sglang._transport import TAG, SglangZmqTransport
 
@@ -155,20 +157,42 @@ def wait_for(pred: object, timeout: float = 5.0) -> None:
         time.sleep(0.005)
 
 
+PAGES = bytes(range(16))  # a destination page list as SGLang sends it (int32 bytes)
+AUX = 3
+
+
+def peer(d: Side) -> list[Peer]:
+    """What P's transfer metadata says about the room's one decode rank `d`."""
+    return [(engine_name("127.0.0.1", d.port), PAGES, AUX)]
+
+
+def grant(d: Side, p: Side, room: int) -> None:
+    d.rt.grant_dest(room, "127.0.0.1", p.port, PAGES, AUX)
+
+
+def acked(p: Side, room: int, peers: list[Peer]) -> None:
+    wait_for(lambda: p.rt.ready(room, peers))
+
+
 def test_push_lease_ends_with_the_access_done(pd: tuple[Side, Side]) -> None:
     p, d = pd
     room = 7
     p.rt.open_source(room)
     d.rt.ask_source(room, "127.0.0.1", p.port)
-    d.rt.grant_dest(room, "127.0.0.1", p.port)
-    wait_for(lambda: not p.rt.awaiting_first_ack(room))
+    grant(d, p, room)
+    acked(p, room, peer(d))
     assert not d.rt.dest_freed(room)
-    assert p.rt.covered(room) is None
-    assert p.rt.begin_write(room) is None
-    assert p.rt.writing(room)
-    p.rt.end_write(room, True)  # every WRITE DONE: the access-done goes out now
+    marked: set[str] = set()
+    assert p.rt.gate(room, peer(d), marked) is None  # the access begins: the push guard allowed it
+    assert p.rt.writing(room) and len(marked) == 1
+    assert p.rt.gate(room, peer(d), marked) is None  # a later WRITE of the chunk: the window still covers it
+    p.rt.settle(room, marked, clean=True)
+    time.sleep(3 * I)
+    assert not d.rt.dest_freed(room), "a settled chunk is not the end of the access"
+    p.rt.end_write(room, True)  # the final chunk settled, every WRITE DONE: the access-done goes out
     wait_for(lambda: d.rt.dest_freed(room))
     assert "dest_freed" in d.kinds(room) and "fail" not in d.kinds(room)
+    assert not p.rt.writing(room) and p.rt.accesses == 1
     # D's Release ends P's source lease at once.
     wait_for(lambda: p.rt.source_live(room))
     d.rt.stop_source(room)
@@ -179,20 +203,51 @@ def test_push_lease_ends_with_the_access_done(pd: tuple[Side, Side]) -> None:
 def test_a_write_outside_the_window_is_refused(pd: tuple[Side, Side]) -> None:
     p, d = pd
     room = 8
-    d.rt.grant_dest(room, "127.0.0.1", p.port)
-    wait_for(lambda: not p.rt.awaiting_first_ack(room))
+    grant(d, p, room)
+    acked(p, room, peer(d))
     d.rt.close()  # D stops answering: P's window stops growing
-    wait_for(lambda: p.rt.covered(room) is not None, timeout=E + 1)
-    assert p.rt.begin_write(room) is not None
+    wait_for(lambda: not p.rt.ready(room, peer(d)), timeout=E + 1)
+    assert p.rt.gate(room, peer(d), set()) is not None
     assert not p.rt.writing(room)
-    assert p.rt.writes_refused >= 2
+    assert p.rt.writes_refused >= 1
+
+
+def test_a_write_under_an_open_access_is_refused_once_the_window_lapses(pd: tuple[Side, Side]) -> None:
+    # S2 per WRITE: the access began in time, but a WRITE posted after the window lapsed is not.
+    p, d = pd
+    room = 14
+    grant(d, p, room)
+    acked(p, room, peer(d))
+    marked: set[str] = set()
+    assert p.rt.gate(room, peer(d), marked) is None
+    d.rt.close()
+    time.sleep(E + 0.1)
+    assert p.rt.gate(room, peer(d), marked) is not None
+
+
+def test_no_timeout_gives_a_running_write_up(pd: tuple[Side, Side]) -> None:
+    # SGLang's WRITE cannot be cancelled: while it runs (far past A_l + I, the driver's default
+    # transfer timeout) its lease is renewed, and D keeps the pages.
+    p, d = pd
+    room = 15
+    grant(d, p, room)
+    acked(p, room, peer(d))
+    marked: set[str] = set()
+    assert p.rt.gate(room, peer(d), marked) is None
+    time.sleep(4 * (FAST.config.access_time_local + I) + E)
+    assert not d.rt.dest_freed(room), "D freed pages while P's WRITE was still in flight"
+    assert "fail" not in d.kinds(room) and "fail" not in p.kinds(room)
+    assert p.rt.writes_overran == 1
+    p.rt.settle(room, marked, clean=True)
+    p.rt.end_write(room, True)
+    wait_for(lambda: d.rt.dest_freed(room))
 
 
 def test_dead_prefill_frees_decode_pages_within_bound(pd: tuple[Side, Side]) -> None:
     p, d = pd
     room = 9
-    d.rt.grant_dest(room, "127.0.0.1", p.port)
-    wait_for(lambda: not p.rt.awaiting_first_ack(room))
+    grant(d, p, room)
+    acked(p, room, peer(d))
     time.sleep(2 * I)
     (key,) = p.rt.dest_keys(room)
     t_dead = time.monotonic()
@@ -208,19 +263,58 @@ def test_dead_prefill_frees_decode_pages_within_bound(pd: tuple[Side, Side]) -> 
     ]
 
 
-def test_aborted_room_waits_for_expiry_plus_guard(pd: tuple[Side, Side]) -> None:
+def test_aborted_room_waits_for_the_write_in_flight(pd: tuple[Side, Side]) -> None:
     p, d = pd
     room = 10
-    d.rt.grant_dest(room, "127.0.0.1", p.port)
-    wait_for(lambda: not p.rt.awaiting_first_ack(room))
-    assert p.rt.begin_write(room) is None  # a WRITE may be running from now on
+    grant(d, p, room)
+    acked(p, room, peer(d))
+    marked: set[str] = set()
+    assert p.rt.gate(room, peer(d), marked) is None  # a WRITE may be running from now on
     t_release = time.monotonic()
     d.rt.release_dest(room)  # D aborts: a promised push lease is not freed at once
+    p.rt.close_room(room)  # ... and P hears of it: the WRITE in flight keeps the access open
     time.sleep(G / 2)
     assert not d.rt.dest_freed(room)
-    p.rt.end_write(room, True)  # the late WRITE landed: its access-done ends the lease
+    assert p.rt.gate(room, peer(d), set()) is not None  # no WRITE starts after the close
+    p.rt.settle(room, marked, clean=True)  # the late WRITE landed: its access-done ends the lease
     wait_for(lambda: d.rt.dest_freed(room))
     assert time.monotonic() - t_release < E + G
+
+
+def test_closing_a_room_with_no_write_in_flight_frees_at_once(pd: tuple[Side, Side]) -> None:
+    p, d = pd
+    for room, begun in ((16, False), (17, True)):
+        grant(d, p, room)
+        acked(p, room, peer(d))
+        marked: set[str] = set()
+        if begun:  # a chunk's WRITEs all landed; the room is aborted between chunks
+            assert p.rt.gate(room, peer(d), marked) is None
+            p.rt.settle(room, marked, clean=True)
+        d.rt.release_dest(room)
+        t = time.monotonic()
+        p.rt.close_room(room)
+        wait_for(lambda r=room: d.rt.dest_freed(r))
+        assert time.monotonic() - t < 3 * I, "no WRITE could land, yet D waited"
+
+
+def test_a_write_of_unknown_outcome_holds_the_pages_to_expiry_plus_guard(pd: tuple[Side, Side]) -> None:
+    # poison_deferred_ack_room: a post raised, its WRITE may still land.
+    p, d = pd
+    room = 18
+    grant(d, p, room)
+    acked(p, room, peer(d))
+    marked: set[str] = set()
+    assert p.rt.gate(room, peer(d), marked) is None
+    (key,) = p.rt.dest_keys(room)
+    p.rt.taint(room)
+    p.rt.settle(room, marked, clean=False)
+    window_end = p.rt.accessor.valid_until(key)
+    assert window_end is not None
+    p.rt.close_room(room)
+    d.rt.release_dest(room)
+    wait_for(lambda: d.rt.dest_freed(room), timeout=E + G + 2)
+    t_free = next(t for t, ev in d.events if ev.room == room and ev.kind == "dest_freed")
+    assert t_free >= window_end + G, f"D freed {window_end + G - t_free:.3f}s before P's window end + G"
 
 
 def test_a_room_two_prefill_ranks_write_frees_after_both() -> None:
@@ -229,14 +323,21 @@ def test_a_room_two_prefill_ranks_write_frees_after_both() -> None:
     p0, p1, d = Side("prefill", FAST), Side("prefill", FAST), Side("decode", FAST)
     try:
         room = 11
-        d.rt.grant_dest(room, "127.0.0.1", p0.port)
-        d.rt.grant_dest(room, "127.0.0.1", p1.port)
-        wait_for(lambda: not p0.rt.awaiting_first_ack(room) and not p1.rt.awaiting_first_ack(room))
-        assert p0.rt.begin_write(room) is None and p1.rt.begin_write(room) is None
+        grant(d, p0, room)
+        grant(d, p1, room)
+        acked(p0, room, peer(d))
+        acked(p1, room, peer(d))
+        m0: set[str] = set()
+        m1: set[str] = set()
+        assert p0.rt.gate(room, peer(d), m0) is None and p1.rt.gate(room, peer(d), m1) is None
+        p0.rt.settle(room, m0, clean=True)
         p0.rt.end_write(room, True)
         time.sleep(0.1)
         assert not d.rt.dest_freed(room)  # p1's WRITE may still land
-        p1.rt.end_write(room, True)
+        p1.rt.end_write(room, True)  # p1's chunk is still in flight: its access ends when it settles
+        time.sleep(0.1)
+        assert not d.rt.dest_freed(room)
+        p1.rt.settle(room, m1, clean=True)
         wait_for(lambda: d.rt.dest_freed(room))
         assert "fail" not in d.kinds(room)
     finally:
@@ -246,17 +347,111 @@ def test_a_room_two_prefill_ranks_write_frees_after_both() -> None:
 
 def test_one_prefill_rank_writing_to_two_decode_ranks_needs_both_windows() -> None:
     # Prefill TP 1 -> decode TP 2: the prefill rank holds a lease from each decode rank and
-    # starts the final chunk only if both windows cover it.
+    # starts no WRITE unless both windows cover it.
     p, d0, d1 = Side("prefill", FAST), Side("decode", FAST), Side("decode", FAST)
     try:
         room = 12
-        d0.rt.grant_dest(room, "127.0.0.1", p.port)
-        d1.rt.grant_dest(room, "127.0.0.1", p.port)
-        wait_for(lambda: len(p.rt.dest_keys(room)) == 2 and not p.rt.awaiting_first_ack(room))
+        peers = peer(d0) + peer(d1)
+        grant(d0, p, room)
+        grant(d1, p, room)
+        acked(p, room, peers)
         d1.rt.close()  # one decode rank goes silent
-        wait_for(lambda: p.rt.covered(room) is not None, timeout=E + 1)
-        assert p.rt.begin_write(room) is not None  # nothing starts, not even towards d0
+        wait_for(lambda: not p.rt.ready(room, peers), timeout=E + 1)
+        assert p.rt.gate(room, peers, set()) is not None  # nothing starts, not even towards d0
         assert not p.rt.writing(room)
+        # ... and a decode rank whose ticket never came is no rank to write to either.
+        assert p.rt.gate(room + 1, peers, set()) == f"no destination lease from {peers[0][0]}"
     finally:
         for s in (p, d0, d1):
             s.close()
+
+
+# -- tickets: sealed, bound, refused ------------------------------------------------------------
+
+KEYED = Settings(config=attrs.evolve(FAST.config, auth_keys=("env:KVLEASE_RUNTIME_TEST_KEY",)))
+
+
+@pytest.fixture
+def keyed(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Side, Side]]:
+    monkeypatch.setenv("KVLEASE_RUNTIME_TEST_KEY", "a7" * 32)
+    p, d = Side("prefill", KEYED), Side("decode", KEYED)
+    try:
+        yield p, d
+    finally:
+        p.close()
+        d.close()
+
+
+def captured_tickets(d: Side) -> list[tuple[str, bytes]]:
+    """Wrap D's transport so the T messages it sends are kept (an eavesdropper's copy)."""
+    seen: list[tuple[str, bytes]] = []
+    real = d.rt.transport.push
+
+    def push(address: str, kind: bytes, payload: bytes, **kw: object) -> None:
+        if kind == b"T":
+            seen.append((address, payload))
+        real(address, kind, payload, **kw)  # type: ignore[arg-type]
+
+    d.rt.transport.push = push  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_relabelled_ticket_is_refused_under_a_key(keyed: tuple[Side, Side]) -> None:
+    p, d = keyed
+    seen = captured_tickets(d)
+    grant(d, p, 21)
+    acked(p, 21, peer(d))
+    address, payload = seen[-1]
+    body = msgpack.unpackb(payload, raw=False)
+    body["room"] = 20  # room 21's ticket, relabelled
+    d.rt.transport.push(address, b"T", msgpack.packb(body, use_bin_type=True))
+    moved = dict(msgpack.unpackb(payload, raw=False), pages=b"\x00" * 32)  # ... or moved to other pages
+    d.rt.transport.push(address, b"T", msgpack.packb(moved, use_bin_type=True))
+    wait_for(lambda: p.rt.tickets_refused == 2)
+    assert p.rt.dest_keys(20) == [] and p.rt.gate(20, peer(d), set()) is not None
+    assert [r.room for r in p.rt.refusals] == [20, 21]
+    assert all("tag that matches no key and binding" in r.reason for r in p.rt.refusals)
+    assert p.rt.stats.unauthenticated_messages == 2
+    assert p.rt.gate(21, peer(d), set()) is None  # the genuine one still guards room 21
+
+
+def test_an_unsealed_ticket_is_refused_under_a_key(keyed: tuple[Side, Side]) -> None:
+    p, d = keyed
+    ticket = d.rt.pinner.grant(d.rt.now(), "d:22:forged", push=True)
+    body = {"room": 22, "ticket": ticket.to_dict(), "pages": pages_digest(PAGES), "aux": AUX}
+    d.rt.transport.push(f"127.0.0.1:{p.port}", b"T", msgpack.packb(body, use_bin_type=True))
+    wait_for(lambda: p.rt.tickets_refused == 1)
+    assert "carries no tag" in p.rt.refusals[-1].reason
+    assert p.rt.dest_keys(22) == []
+
+
+def test_a_ticket_for_other_pages_guards_no_write(pd: tuple[Side, Side]) -> None:
+    # Even without a key: a WRITE goes only to the pages its lease's ticket names.
+    p, d = pd
+    grant(d, p, 23)
+    acked(p, 23, peer(d))
+    other = [(peer(d)[0][0], bytes(range(1, 17)), AUX)]
+    assert p.rt.gate(23, other, set()) == f"d:23:{other[0][0]}: the lease guards other pages than the transfer writes"
+    assert p.rt.gate(23, [(peer(d)[0][0], PAGES, AUX + 1)], set()) is not None
+    assert p.rt.gate(23, peer(d), set()) is None
+
+
+def test_a_reused_room_ids_new_ticket_is_renewed(pd: tuple[Side, Side]) -> None:
+    # D reuses room 30 while P still tracks the old lease: the new ticket replaces it, and a
+    # replay of the old one afterwards is stale.
+    p, d = pd
+    room = 30
+    seen = captured_tickets(d)
+    grant(d, p, room)
+    acked(p, room, peer(d))
+    d.rt.release_dest(room)
+    d.rt.forget_dest(room)
+    grant(d, p, room)  # the new request's ticket, while P still renews the old lease
+    time.sleep(2 * FAST.config.kv_lease_duration)
+    assert "fail" not in d.kinds(room), "the reused room's new lease was never renewed"
+    assert not d.rt.dest_freed(room)
+    assert p.rt.gate(room, peer(d), set()) is None
+    address, old = seen[0]
+    d.rt.transport.push(address, b"T", old)
+    wait_for(lambda: p.rt.tickets_refused == 1)
+    assert "stale ticket" in p.rt.refusals[-1].reason

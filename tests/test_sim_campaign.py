@@ -19,16 +19,16 @@ from kvlease.cli._sim import sim
 from kvlease.conformance import VECTOR_FORMAT, CoreImplementation, run_vector
 from kvlease.sim import BUGS, campaign, campaign_scenario, minimize, run_scenario, run_seed
 
-#: Seeds the suite runs (CI's budget: about 2.5 minutes on a 2-core box since the v3 fault
+#: Seeds the suite runs (CI's budget: about a minute on a 2-core box since the v3 fault
 #: models). The full 2,000-seed campaign the README states is ``kvlease sim --campaign 2000``
 #: (KVLEASE_CAMPAIGN_SEEDS=2000 runs it here).
-CAMPAIGN_SEEDS = int(os.environ.get("KVLEASE_CAMPAIGN_SEEDS", "700"))
+CAMPAIGN_SEEDS = int(os.environ.get("KVLEASE_CAMPAIGN_SEEDS", "300"))
 
 
 def test_campaign_finds_no_violation() -> None:
     report = campaign(range(CAMPAIGN_SEEDS))
     assert report.seeds == CAMPAIGN_SEEDS
-    assert report.events > 1_000_000  # the seeds did simulate something
+    assert report.events > 400_000  # the seeds did simulate something (about 2,100 per seed)
     assert report.failures == [], report.by_claim
 
 

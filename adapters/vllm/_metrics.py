@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-__all__ = ["KVLEASE_COUNTERS", "PUSH_COUNTERS", "KvleaseConnectorStats", "KvleasePromMetrics"]
+__all__ = ["KVLEASE_COUNTERS", "PUSH_COUNTERS", "WORK_COUNTERS", "KvleaseConnectorStats", "KvleasePromMetrics"]
 
 #: `TransportStats` counters exported, with their help text.
 KVLEASE_COUNTERS: dict[str, str] = {
@@ -50,7 +50,14 @@ PUSH_COUNTERS: dict[str, str] = {
     "push_writes_dropped": "Push WRITEs dropped: the decoder's push lease was lost before approval",
 }
 
-_ALL = {**KVLEASE_COUNTERS, **PUSH_COUNTERS}
+#: What kvlease's own code costs inside the server (its part of each engine step, and the lease
+#: pump's turns): ``rate(lease_work_us) / rate(lease_turns)`` is the cost of one turn, in µs.
+WORK_COUNTERS: dict[str, str] = {
+    "lease_work_us": "Microseconds spent in kvlease's lease code (its part of engine steps, and the lease pump)",
+    "lease_turns": "Turns of kvlease's lease code (engine steps and lease-pump turns)",
+}
+
+_ALL = {**KVLEASE_COUNTERS, **PUSH_COUNTERS, **WORK_COUNTERS}
 _KEYS = {name: f"kvlease_{name}" for name in _ALL}
 
 

@@ -35,7 +35,9 @@ from ._vllm_check import VLLM_VERSION, VLLM_VERSION_SUPPORTED
 import json
 import logging
 import operator
+import os
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -88,6 +90,11 @@ log = logging.getLogger("kvlease.adapters.vllm")
 #: Key of the ticket in ``kv_transfer_params`` and of the adapter's part of the metadata.
 TICKET_KEY = "kvlease"
 
+#: Seconds between the lease pump's turns while a lease or a track is live, and otherwise (a
+#: hello from a new decoder waits at most this long). Small against any heartbeat interval.
+PUMP_BUSY = 0.005
+PUMP_IDLE = 0.05
+
 
 def ticket_binding(params: Mapping[str, Any]) -> bytes:
     """What a sealed ticket guards, from the transfer parameters it travels in: the producer
@@ -105,9 +112,14 @@ def _route_logs_through_vllm() -> None:
     ours, theirs = logging.getLogger("kvlease"), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:
         return
+    level = os.environ.get("KVLEASE_LOGGING_LEVEL", "").upper()
     for handler in theirs.handlers:
         ours.addHandler(handler)
-    ours.setLevel(theirs.level or logging.INFO)
+        if level in logging.getLevelNamesMapping():
+            # kvlease's own level (e.g. DEBUG while vLLM stays at INFO): vLLM's handler filters
+            # at vLLM's level, so let the loggers decide (vLLM's logger keeps its own).
+            handler.setLevel(logging.NOTSET)
+    ours.setLevel(level if level in logging.getLevelNamesMapping() else (theirs.level or logging.INFO))
     ours.propagate = False
 
 
@@ -215,6 +227,18 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._kv_tracked: set[str] = set()
         self._kv_untrack: list[str] = []
         self._kv_warned: set[str] = set()
+        # Requests whose blocks this producer holds for a decoder's READ (until a worker
+        # reports them in finished_sending): the engine must keep stepping meanwhile.
+        self._kv_held: set[str] = set()
+
+    def has_pending_push_work(self) -> bool:
+        """True while this producer holds blocks under a lease. vLLM 0.33 lets an engine whose
+        requests have all finished block on its input queue even while their blocks wait for
+        decoders' READs: the metadata carrying a grant to the workers would then wait for the
+        next request, and a lease's end would free nothing until then. vLLM keeps an engine
+        stepping while its connector reports pending work (this hook), about once a
+        millisecond."""
+        return bool(self._kv_held) or bool(super().has_pending_push_work())
 
     # producer: one lease id per request, shipped to every worker and to the decoder
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -228,6 +252,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             lease_id = self._kv_next_id
             self._kv_next_id += 1
             self._kv_grants[req_id] = lease_id
+            self._kv_held.add(req_id)
             params[TICKET_KEY] = self._kv_ticket(
                 params,
                 LeaseTicket(
@@ -247,6 +272,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
             deadline = time.monotonic() + float(self.decoder_kv_blocks_ttl)
             self._kv_grants[req_id] = lease_id
             self._kv_fixed[req_id] = deadline
+            self._kv_held.add(req_id)
             params[TICKET_KEY] = self._kv_ticket(
                 params,
                 LeaseTicket(
@@ -323,6 +349,8 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         super().update_connector_output(connector_output)
         for req_id in connector_output.finished_recving or ():
             self._kv_tracked.discard(req_id)
+        for req_id in connector_output.finished_sending or ():
+            self._kv_held.discard(req_id)
 
 
 # -- worker side ---------------------------------------------------------------------------------
@@ -380,7 +408,11 @@ class _KvleaseWorkerBase:
             transfer_timeout=self.kvlease_bound.timeout,
             vllm_compat=s.vllm_compat,
         )
+        self._kv_driver_ready()
         return self.kvlease_driver
+
+    def _kv_driver_ready(self) -> None:
+        """Called once the driver exists (the pull worker starts its lease pump here)."""
 
     @staticmethod
     def _kv_deltas(counted: dict[str, int], current: dict[str, int]) -> dict[str, int]:
@@ -448,6 +480,15 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         # load), never made without a lease.
         self._kv_lost: set[str] = set()
         self._kv_deferred: list[tuple[str, Any]] = []  # READs waiting for the kvlease handshake
+        # The lease pump (a thread: see _kv_pump_loop) and the engine's step share the driver,
+        # the transport and the agent's notifications under this lock.
+        self._kv_lock = threading.RLock()
+        self._kv_stop = threading.Event()
+        self._kv_pump: threading.Thread | None = None
+        self._kv_events: list[Any] = []  # driver events the pump produced, for the next step
+        self._kv_unframed = 0  # non-kvlease notifications dropped (compat off), for vLLM's stats
+        self._kv_work_ns = 0  # time in kvlease's own code not yet reported (WORK_COUNTERS)
+        self._kv_turns = 0
         # vLLM's per-step connector stats, with kvlease's counters in them (see _metrics).
         self.xfer_stats = KvleaseConnectorStats()
         self._kv_counted = dict.fromkeys(KVLEASE_COUNTERS, 0)
@@ -462,7 +503,47 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 
     # -- per step: metadata in ---------------------------------------------------------------
 
+    # -- the lease pump ----------------------------------------------------------------------
+
+    def _kv_driver_ready(self) -> None:
+        self._kv_pump = threading.Thread(target=self._kv_pump_loop, name="kvlease-lease-pump", daemon=True)
+        self._kv_pump.start()
+
+    def _kv_pump_loop(self) -> None:
+        """The driver's turns between engine steps. vLLM steps an engine only while it has work
+        for the scheduler: a producer whose requests all wait for their READs sits idle
+        (blocked on its input queue) with their blocks pinned, and a busy one may not step for a
+        whole forward pass. The lease protocol needs answers within a heartbeat interval, so this
+        thread drains the agent's notifications and runs the driver's step (heartbeats, their
+        acknowledgements, expiries, handshakes) every `PUMP_BUSY` seconds while a lease or a
+        track is live, every `PUMP_IDLE` otherwise. What it yields is handed to vLLM on the
+        engine's next step (`get_transfer_results`): the pump frees nothing itself."""
+        while not self._kv_stop.is_set():
+            busy = False
+            with self._kv_lock:
+                driver = self.kvlease_driver
+                if driver is not None:
+                    t0 = time.perf_counter_ns()
+                    try:
+                        self._kv_drain()
+                        self._kv_events.extend(driver.step())
+                        busy = driver.next_deadline() is not None
+                    except Exception:  # never let the pump die: the engine's steps go on
+                        log.exception("kvlease: lease pump step failed")
+                    self._kv_work_ns += time.perf_counter_ns() - t0
+                    self._kv_turns += 1
+            self._kv_stop.wait(PUMP_BUSY if busy else PUMP_IDLE)
+
+    def shutdown(self) -> None:
+        self._kv_stop.set()
+        super().shutdown()
+
     def start_load_kv(self, metadata: Any) -> None:
+        with self._kv_lock:
+            self._kv_start_load(metadata)
+
+    def _kv_start_load(self, metadata: Any) -> None:
+        t0 = time.perf_counter_ns()
         kv = getattr(metadata, "kvlease", None) or {}
         driver = self._kv_ensure_driver(kv.get("incarnation"))
         if driver.accessor is not None:
@@ -478,7 +559,15 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             deferred, self._kv_deferred = self._kv_deferred, []
             for req_id, meta in deferred:
                 self._read_blocks_for_req(req_id, meta)
+        t1 = time.perf_counter_ns()
         super().start_load_kv(metadata)
+        t0 += time.perf_counter_ns() - t1  # vLLM's own work is not kvlease's cost
+        try:
+            self._kv_grant(driver, kv)
+        finally:
+            self._kv_work_ns += time.perf_counter_ns() - t0
+
+    def _kv_grant(self, driver: Driver, kv: dict[str, Any]) -> None:
         grants = kv.get("grants", {})
         if grants and driver.pinner is not None:
             if kv.get("incarnation") != self._kv_incarnation:
@@ -548,6 +637,10 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             return super()._read_blocks(read_spec, *args, **kwargs)
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        with self._kv_lock:
+            self._kv_read_blocks_for_req(req_id, meta)
+
+    def _kv_read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         driver = self.kvlease_driver
         source = self._kv_source.get(req_id)
         if source is not None and source != meta.remote.request_id:
@@ -661,11 +754,16 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
     # -- per step: notifications in, results out ---------------------------------------------
 
     def _get_new_notifs(self) -> set[str]:
-        # Every notification goes to the driver: kvlease frames, hellos, and stock vLLM `HB:` /
-        # `id:count` (the compat codec), so no request is ever freed by vLLM's own bookkeeping.
+        self._kv_drain()
+        return set()
+
+    def _kv_drain(self) -> None:
+        """Every notification goes to the driver: kvlease frames, hellos, and stock vLLM `HB:` /
+        `id:count` (the compat codec), so no request is ever freed by vLLM's own bookkeeping.
+        Under the lock (the engine's step or the pump)."""
         notifs_by_agent = self.nixl_wrapper.get_new_notifs()
         if not notifs_by_agent:
-            return set()
+            return
         feed = self.kvlease_transport.feed
         compat = self.kvlease_settings.vllm_compat
         for agent_name, notifs in notifs_by_agent.items():
@@ -673,17 +771,31 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             for notif in notifs:
                 data = notif if type(notif) is bytes else bytes(notif)
                 if not compat and not (is_native_frame(data) or is_sealed_frame(data) or data.startswith(HELLO_MAGIC)):
-                    self.xfer_stats.record_notification_after_expiry()
+                    self._kv_unframed += 1
                     continue
                 feed(name, data)
-        return set()
 
     def get_transfer_results(self) -> Any:
-        return self._kv_transfer_results(super().get_transfer_results())
+        with self._kv_lock:
+            res = super().get_transfer_results()
+            t0 = time.perf_counter_ns()
+            try:
+                return self._kv_transfer_results(res)
+            finally:
+                self._kv_work_ns += time.perf_counter_ns() - t0
+                self._kv_turns += 1
+                if self._kv_work_ns >= 1_000_000:  # reported once a millisecond of work piled up
+                    us, self._kv_work_ns = divmod(self._kv_work_ns, 1000)
+                    self.xfer_stats.record_kvlease({"lease_work_us": us, "lease_turns": self._kv_turns})
+                    self._kv_turns = 0
 
     def _kv_transfer_results(self, res: Any) -> Any:
         """vLLM's transfer results of this step, with kvlease's verdicts on READs and its frees
         (what the step costs with nothing to do is a driver step and a stats check)."""
+        if self._kv_unframed:
+            for _ in range(self._kv_unframed):
+                self.xfer_stats.record_notification_after_expiry()
+            self._kv_unframed = 0
         driver = self.kvlease_driver
         if driver is None:
             return res
@@ -701,7 +813,10 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                     res.failed_recving.add(req_id)
                     continue
                 self._kv_verdict.add(req_id)
-        for ev in driver.step():
+        events = driver.step()
+        if self._kv_events:  # what the lease pump produced since the last step
+            events, self._kv_events = [*self._kv_events, *events], []
+        for ev in events:
             if isinstance(ev, Free):
                 if ev.key in self._kv_granted:
                     self._kv_granted.discard(ev.key)

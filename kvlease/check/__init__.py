@@ -17,7 +17,7 @@ Pure: no clock, no I/O (the `kvlease check` command times and writes).
 
 from __future__ import annotations
 
-from ._doubles import BUG_HINTS, CHECK_BUGS
+from ._doubles import BUG_HINTS, CHECK_BUGS, RENAMED_BUGS
 from ._explore import CheckResult, Counterexample, explore, replay
 from ._vector import to_vector
 from ._world import KINDS, Scope, Violation, World
@@ -26,6 +26,7 @@ __all__ = [
     "BUG_HINTS",
     "CHECK_BUGS",
     "KINDS",
+    "RENAMED_BUGS",
     "CheckResult",
     "Counterexample",
     "Scope",

@@ -8,8 +8,9 @@ and a missing extra only affects the command that needs it.
 Besides the subcommands: `_child`, the one child-process harness (an engine worker in its own
 process, driven over JSON lines, with a transport factory) that the demo's processes, the
 real-process tests and the NIXL benchmark share; the demo is `_demo` (the parent: router,
-faults, live view), `_demo_proc` (the two processes' bodies) and `_demo_scenarios` (each
-scenario one object: timing, fault, script, judgement, table row).
+faults, live view), `_demo_proc` (the two processes' bodies), `_demo_scenarios` (each
+scenario one object: timing, fault, script, judgement, table row) and `_demo_steps` (a
+scenario's steps, their deadlines and what a timeout says).
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import click
 
-from ..check import BUG_HINTS, CHECK_BUGS, KINDS, Scope, explore, to_vector
+from ..check import BUG_HINTS, CHECK_BUGS, KINDS, RENAMED_BUGS, Scope, explore, to_vector
 from ..check._world import CHECK_CONFIG
-from ._params import Number
+from ._params import BugName, Number
 
 __all__ = ["check"]
+
+_BUG_NAMES = BugName(list(CHECK_BUGS), RENAMED_BUGS)
 
 _FAMILIES = (
     "grant",
@@ -131,9 +133,10 @@ class _Progress:
 )
 @click.option(
     "--inject-bug",
-    type=click.Choice(sorted(CHECK_BUGS)),
+    type=_BUG_NAMES,
     default=None,
-    help="Run against a core with one fix switched off (v1 holes: a v2 fix; v3 holes: a v3 fix).",
+    help="Run against a core with one fix switched off (v1 holes: a v2 fix; v3 holes: a v3 fix); the same "
+    "name as `kvlease sim --inject-bug` where both have the bug." + _BUG_NAMES.deprecation(),
 )
 @click.option("--max-states", type=click.IntRange(1), default=None, help="Stop after this many states (a lower bound).")
 @click.option(

@@ -8,8 +8,9 @@ and on SIGTERM too), the rich live view, the summary table, ``--json`` output an
 ``--metrics-port`` (the children's driver `TransportStats`, exported through
 `kvlease.transports.metrics`). The process bodies (a `kvlease.transports.Driver` over the real
 ZMQ or NIXL transport each) are in `_demo_proc`; each scenario (timing, fault, judgement, row)
-is one object in `_demo_scenarios`. It never decides anything about a lease: the
-core in each child does.
+is one object in `_demo_scenarios`; when a scenario has waited too long, and what it then says,
+is `_demo_steps` (this module feeds it the events, the time and the starting child's CPU time).
+It never decides anything about a lease: the core in each child does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import random
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -32,6 +34,7 @@ from kvlease import ConfigError, LeaseConfig
 
 from ._child import ChildProcess
 from ._demo_scenarios import SCENARIOS, Bounds, ChildSpec, Scenario, ScenarioResult, ScenarioRun, evaluate
+from ._demo_steps import Calibration, Steps
 from ._params import Number
 
 __all__ = ["demo"]
@@ -139,8 +142,9 @@ def _run_scenario(
     view: Any,
     metrics: _Metrics | None,
     stop: _StopSignals,
+    calibration: Calibration,
 ) -> ScenarioRun:
-    play = _Play(SCENARIOS[name], transport, config, requests, log_level, metrics)
+    play = _Play(SCENARIOS[name], transport, config, requests, log_level, metrics, calibration)
     try:
         play.loop(view, stop)
         play.reap(stop)
@@ -162,6 +166,7 @@ class _Play:
         requests: int,
         log_level: str,
         metrics: _Metrics | None,
+        calibration: Calibration,
     ) -> None:
         self.scenario = scenario
         self.metrics = metrics
@@ -184,7 +189,8 @@ class _Play:
         self.run = ScenarioRun(scenario.name, transport, requests, 16, epochs, started=time.monotonic())
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self.env = _child_env(transport)
-        self.deadline = time.monotonic() + 2 * scenario.expected_duration(config) + 20.0
+        self.calibration = calibration
+        self.steps = Steps(requests, scenario.expected_duration(config), calibration, started=time.monotonic())
         self.children: list[ChildProcess] = []
         self.pinner = self._spawn(self.spec)
         self.accessor: ChildProcess | None = None
@@ -208,8 +214,16 @@ class _Play:
         run = self.run
         while len(self.exited) < 2:
             stop.check()
-            if time.monotonic() > self.deadline:
+            now = time.monotonic()
+            starting = self.steps.starting
+            child = next((c for c in self.children if c.name == starting), None)
+            if child is not None:
+                self.steps.cpu(child.name, _cpu_seconds(child.pid), now)
+            if self.steps.expired(now):
                 run.timed_out = True
+                why = self.steps.why(run, now, {c.name: c.pid for c in self.children})
+                run.errors.append(why)
+                log.error("demo: scenario %s %s", run.name, why)
                 return
             try:
                 role, ev = self.events.get(timeout=0.05)
@@ -246,6 +260,7 @@ class _Play:
             self.metrics.rtt(float(ev["seconds"]))
         if kind:
             run.feed(role, ev)
+            self.steps.observe(role, kind, time.monotonic())
         if kind == "grant" and self.grant_time is None:
             self.grant_time = ev["t"]
         return True
@@ -270,7 +285,7 @@ class _Play:
         run = self.run
         for child in self.children:
             if not run.timed_out:
-                waited_until = time.monotonic() + 5.0
+                waited_until = time.monotonic() + self.calibration.margin
                 while child.returncode is None and time.monotonic() < waited_until:
                     stop.check()
                     time.sleep(0.02)
@@ -294,6 +309,16 @@ class _Play:
         if self.metrics is not None:
             self.metrics.scenario_done()
         self.run.finished = time.monotonic()
+        self.run.step_seconds = dict(self.steps.seconds)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) process `pid` has used, from /proc; None where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _View:
@@ -490,6 +515,16 @@ def _check_transport(transport: str) -> None:
     help="Serve Prometheus metrics of both processes on 127.0.0.1:PORT during the run.",
 )
 @click.option(
+    "--patience",
+    "patience",
+    type=Number(0.0, 100.0, min_open=True, what="a positive factor"),
+    default=1.0,
+    show_default=True,
+    help="Scale every step's deadline by this factor. Deadlines already follow the machine (a step gives up "
+    "only after its scenario's quiet time plus 4x the slowest process start-up measured, with no progress); "
+    "raise it for a machine slower still.",
+)
+@click.option(
     "--log-level",
     "log_level",
     type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
@@ -498,7 +533,14 @@ def _check_transport(transport: str) -> None:
     help="Log level of the demo and its processes (stderr).",
 )
 def demo(
-    scenario: str, lease: float, requests: int, transport: str, as_json: bool, metrics_port: int | None, log_level: str
+    scenario: str,
+    lease: float,
+    requests: int,
+    transport: str,
+    as_json: bool,
+    metrics_port: int | None,
+    patience: float,
+    log_level: str,
 ) -> None:
     """Run a pinner (P) and an accessor (D) as two OS processes on loopback and play the lease
     scenarios, each beside the baseline it replaces. Exits non-zero if any safety or liveness
@@ -525,13 +567,14 @@ def demo(
         click.echo(f"metrics: http://127.0.0.1:{metrics.port}/metrics", err=True)
     results: list[ScenarioResult] = []
     interactive = not as_json and sys.stdout.isatty()
+    calibration = Calibration(patience=patience)
     try:
         with _StopSignals() as stop, _View(interactive, names, config) as view:
             for i, name in enumerate(names):
                 view.start(name)
                 if not interactive:  # piped: a line per scenario, so a long run is not silent
                     click.echo(f"demo: scenario {i + 1}/{len(names)}: {name} ({SCENARIOS[name].description})", err=True)
-                run = _run_scenario(name, transport, config, requests, level, view, metrics, stop)
+                run = _run_scenario(name, transport, config, requests, level, view, metrics, stop, calibration)
                 stop.check()
                 results.append(evaluate(run, config, bounds))
                 view.done()

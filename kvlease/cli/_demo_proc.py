@@ -199,16 +199,32 @@ class Node:
         self.done = False
         self._linger_until: float | None = None
         self._next_stats = 0.0
+        #: The loop's worst stalls: the longest driver step (a transport call that blocks) and
+        #: the longest oversleep past the wake it asked for (a starved process). Reported with
+        #: the stats, so a late free can be told apart from a wrong expiry.
+        self.longest_step = 0.0
+        self.longest_oversleep = 0.0
+        self._wake_at: float | None = None
+        #: This iteration: when it began and how late (past the wake it asked for).
+        self._began = 0.0
+        self._overslept = 0.0
         self.driver: Driver
 
     def clock(self) -> float:
         return time.monotonic() + self.epoch
 
+    def loop_late(self) -> float:
+        """How late this iteration of the loop is running: its oversleep past the wake it asked
+        for plus the step so far. An event the core decided on time reaches the engine this
+        much later on a starved machine; a core that decided late shows no such delay."""
+        return round(self._overslept + (time.monotonic() - self._began), 4)
+
     def report_stats(self, extra: dict[str, Any] | None = None) -> None:
         snap = self.driver.stats.snapshot()
         for k in [k for k in snap if k.startswith("heartbeat_rtt")]:
             del snap[k]
-        self.report("stats", role=self.spec.role, stats=snap, **(extra or {}))
+        loop = {"longest_step_s": round(self.longest_step, 4), "longest_oversleep_s": round(self.longest_oversleep, 4)}
+        self.report("stats", role=self.spec.role, stats=snap, loop=loop, **(extra or {}))
 
     def command(self, cmd: dict[str, Any]) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -237,8 +253,12 @@ class Node:
             if commands.parent_gone:
                 self.done = True
                 self._linger_until = 0.0
+            began = self._began = time.monotonic()
+            self._overslept = max(0.0, began - self._wake_at) if self._wake_at is not None else 0.0
+            self.longest_oversleep = max(self.longest_oversleep, self._overslept)
             for ev in self.driver.step():
                 self.on_event(ev)
+            self.longest_step = max(self.longest_step, time.monotonic() - began)
             wake = self.after_step(self.driver.now())
             if time.monotonic() >= self._next_stats:
                 self._next_stats = time.monotonic() + 0.1
@@ -252,6 +272,7 @@ class Node:
             for d in (wake, self.driver.next_deadline()):
                 if d is not None:
                     timeout = min(timeout, max(d - self.driver.now(), 0.0))
+            self._wake_at = time.monotonic() + timeout
             self.driver.transport.wait(timeout)
             return True
 
@@ -322,7 +343,14 @@ class PinnerNode(Node):
                 self.free_slots.append(slot)
                 level = logging.WARNING if ev.reason.value == "expired" else logging.DEBUG
                 log.log(level, "lease freed key=%s lease_id=%d reason=%s", ev.key, ev.lease_id, ev.reason.value)
-                self.report("free", key=ev.key, lease_id=ev.lease_id, reason=ev.reason.value, blocks=self.blocks_per)
+                self.report(
+                    "free",
+                    key=ev.key,
+                    lease_id=ev.lease_id,
+                    reason=ev.reason.value,
+                    blocks=self.blocks_per,
+                    loop_late=self.loop_late(),
+                )
             case Rejected():
                 log.warning("rejected message from %s: %s", ev.engine_id, ev.reason)
                 self.report("rejected", reason=ev.reason)

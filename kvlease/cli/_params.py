@@ -16,10 +16,12 @@ import click
 if TYPE_CHECKING:  # click >= 8.2 types ParamType by its output; 8.1 (allowed) has no subscript
     _TupleParam = click.ParamType[tuple[float, ...] | None, Any]
     _ListParam = click.ParamType[list[float], Any]
+    _Choice = click.Choice[str]
 else:
     _TupleParam = _ListParam = click.ParamType
+    _Choice = click.Choice
 
-__all__ = ["FloatList", "FloatTuple", "Number"]
+__all__ = ["BugName", "FloatList", "FloatTuple", "Number"]
 
 
 class Number(click.FloatRange):
@@ -121,3 +123,32 @@ def _within(kind: Number, number: float) -> bool:
     except click.BadParameter:
         return False
     return True
+
+
+class BugName(_Choice):
+    """An ``--inject-bug`` name: one of `names`, or an earlier name in `renamed` (taken for the
+    name it became, with a deprecation note on stderr). `--help` lists the current names and
+    then the earlier ones, so a script written for them still runs and says what to change."""
+
+    def __init__(self, names: list[str], renamed: dict[str, str]) -> None:
+        super().__init__(sorted(names))
+        self.renamed = dict(renamed)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value in self.renamed:
+            new = self.renamed[value]
+            click.echo(
+                f"note: --inject-bug {value} is deprecated: it is now {new} (one name in check and sim)", err=True
+            )
+            value = new
+        return super().convert(value, param, ctx)
+
+    def deprecation(self) -> str:
+        """The earlier names, for the option's help."""
+        if not self.renamed:
+            return ""
+        return (
+            " Deprecated earlier names, still accepted: "
+            + ", ".join(f"{old} (now {new})" for old, new in sorted(self.renamed.items()))
+            + "."
+        )

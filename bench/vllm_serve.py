@@ -1,0 +1,127 @@
+"""Completions through real `vllm serve` P/D pairs: kvlease's connector against stock vLLM's.
+
+Starts a stock pair and a kvlease pair (tools/vllm_pd.py: real CPU forwards, KV over NIXL on
+loopback, engines/vllm/router.py in front), then runs the same load through each in alternating
+rounds (so both see the same machine): ``--requests`` streamed completions per round at a fixed
+``--concurrency``, from the ``openai`` client. Prints completions per second and time to first
+token for each, their ratios (kvlease / stock), and kvlease's own cost inside the producer:
+microseconds per turn of its lease code (its part of each engine step, and the lease pump's
+turns), from the server's ``vllm:kvlease_lease_work_us`` and ``vllm:kvlease_lease_turns``.
+
+    .venv/bin/python bench/vllm_serve.py [--rounds 3] [--requests 24] [--concurrency 4]
+
+Needs the vLLM environment (bash engines/vllm/setup.sh). Start-up takes 1-3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import vllm_pd as pd
+
+
+def run_round(
+    fleet: dict[str, pd.Server], client: pd.Client, router: pd.Router, stack: str, args: Any, n: int
+) -> dict[str, Any]:
+    p, d = ("p_kv", "d_kv") if stack == "kvlease" else ("p_stock", "d_stock")
+    headers = {"x-kvlease-prefill": p, "x-kvlease-decode": d}
+    pending: list[Any] = []
+    answers: list[dict[str, Any]] = []
+    start = time.monotonic()
+    for i in range(args.requests):
+        while len(pending) >= args.concurrency:
+            done = [f for f in pending if f.done()]
+            if not done:
+                time.sleep(0.005)
+                continue
+            for f in done:
+                pending.remove(f)
+                answers.append(f.result())
+        text = f"# round {n} request {i} on {stack}\ndef f{i}(x):\n    return x +"
+        pending.append(client.submit(router.base_url, text, args.max_tokens, headers=headers, stream=True))
+    answers += [f.result(timeout=900) for f in pending]
+    wall = time.monotonic() - start
+    ok = [a for a in answers if a["status"] == 200]
+    ttft = sorted(a["ttft"] for a in ok if a["ttft"] is not None)
+    return {
+        "wall": wall,
+        "ok": len(ok),
+        "failed": len(answers) - len(ok),
+        "rps": len(ok) / wall,
+        "ttft_p50": statistics.median(ttft) if ttft else float("nan"),
+        "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))] if ttft else float("nan"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=24, help="completions per round and stack")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--lease", type=float, default=30.0, help="kv_lease_duration of every server (s)")
+    args = ap.parse_args()
+    problem = pd.missing_environment()
+    if problem is not None:
+        sys.exit(f"bench/vllm_serve.py: {problem}")
+    workdir = Path(tempfile.mkdtemp(prefix="kvlease-bench-serve-"))
+    servers: dict[str, pd.Server] = {}
+    router = client = None
+    try:
+        for connector, suffix in ((pd.STOCK, "stock"), (pd.KVLEASE, "kv")):
+            servers[f"p_{suffix}"] = pd.start_server(f"p_{suffix}", connector, pd.PRODUCER, workdir, lease=args.lease)
+            servers[f"d_{suffix}"] = pd.start_server(f"d_{suffix}", connector, pd.CONSUMER, workdir, lease=args.lease)
+        print(f"pairs healthy after {pd.wait_healthy(list(servers.values())):.0f} s", flush=True)
+        router = pd.start_router([servers["p_stock"], servers["p_kv"]], [servers["d_stock"], servers["d_kv"]], workdir)
+        client = pd.Client()
+        for stack in ("stock", "kvlease"):  # warm-up: handshakes, first forwards
+            run_round(servers, client, router, stack, argparse.Namespace(**{**vars(args), "requests": 4}), -1)
+        results: dict[str, list[dict[str, Any]]] = {"stock": [], "kvlease": []}
+        work0 = servers["p_kv"].metrics()
+        for n in range(args.rounds):
+            for stack in ("stock", "kvlease") if n % 2 == 0 else ("kvlease", "stock"):
+                r = run_round(servers, client, router, stack, args, n)
+                results[stack].append(r)
+                print(f"round {n} {stack:8s} {r['rps']:.2f} completions/s, TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, "
+                      f"p90 {r['ttft_p90'] * 1000:.0f} ms, failed {r['failed']}", flush=True)  # fmt: skip
+        work1 = servers["p_kv"].metrics()
+    finally:
+        if client is not None:
+            client.close()
+        if router is not None:
+            router.stop()
+        for s in servers.values():
+            s.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def med(stack: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[stack])
+
+    print(f"\n{args.rounds} rounds x {args.requests} streamed completions, concurrency {args.concurrency}, "
+          f"{args.max_tokens} tokens, lease {args.lease:g} s (medians over rounds)")  # fmt: skip
+    print(f"{'':10s} {'completions/s':>14s} {'TTFT p50 ms':>12s} {'TTFT p90 ms':>12s} {'failed':>7s}")
+    for stack in ("stock", "kvlease"):
+        failed = sum(r["failed"] for r in results[stack])
+        print(f"{stack:10s} {med(stack, 'rps'):14.2f} {med(stack, 'ttft_p50') * 1000:12.0f} "
+              f"{med(stack, 'ttft_p90') * 1000:12.0f} {failed:7d}")  # fmt: skip
+    print(f"{'ratio':10s} {med('kvlease', 'rps') / med('stock', 'rps'):14.3f} "
+          f"{med('kvlease', 'ttft_p50') / med('stock', 'ttft_p50'):12.3f} "
+          f"{med('kvlease', 'ttft_p90') / med('stock', 'ttft_p90'):12.3f}   (kvlease / stock)")  # fmt: skip
+    us = work1.get("vllm:kvlease_lease_work_us_total", 0.0) - work0.get("vllm:kvlease_lease_work_us_total", 0.0)
+    turns = work1.get("vllm:kvlease_lease_turns_total", 0.0) - work0.get("vllm:kvlease_lease_turns_total", 0.0)
+    done = sum(r["ok"] for r in results["kvlease"])
+    if turns:
+        print(f"kvlease inside P: {us / turns:.1f} µs per turn of its lease code ({turns:.0f} turns), "
+              f"{us / max(done, 1):.0f} µs per completion")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

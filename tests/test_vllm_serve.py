@@ -1,0 +1,161 @@
+"""kvlease inside real `vllm serve` pairs: what a client and an operator see, stock vLLM beside it.
+
+One fleet for the module (start-up is minutes on a 2-core machine): a stock pair (vLLM's own
+``NixlConnector``) and a kvlease pair (the same name, loaded from ``kvlease.adapters.vllm``),
+each P and D a real ``vllm serve`` with real CPU forwards of the tiny Llama made by
+engines/vllm/setup.sh, KV over NIXL (UCX on loopback), engines/vllm/router.py in front, requests
+from the ``openai`` library (engines/vllm/client.py). Greedy output is a fixed function of the
+prompt, so a KV block of another request shows up as a different completion: every completion
+is compared, token for token, with the prompt's reference computed by ``transformers`` alone.
+The router pairs any P with any D, so the mixed fleets run on the same four servers. The tests
+run in file order; the last kills the decoders. tools/vllm_pd.py holds the fleet and the
+scenarios (``python tools/vllm_pd.py demo`` plays them); docs/vllm-serve.md explains them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import vllm_pd as pd
+
+pytestmark = pytest.mark.slow
+
+#: The lease of every server (``kv_lease_duration``, s): short, so the scenarios are quick, long
+#: enough for a loaded 2-core machine: a decoder busy decoding took 10 s to take a request in
+#: from the router at a load average of 30 (its tracking, hence its heartbeats, start then).
+LEASE = float(os.environ.get("KVLEASE_SERVE_LEASE", "12"))
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[pd.Fleet]:
+    problem = pd.missing_environment()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    workdir = Path(tempfile.mkdtemp(prefix="kvlease-serve-"))
+    f = pd.Fleet(workdir, LEASE)
+    try:
+        f.start()
+        print(f"\nfleet healthy after {f.startup_s:.0f} s; warm-up {f.warmup}; decode {f.decode_rate:.0f} tokens/s")
+        yield f
+    finally:
+        f.stop()
+        if os.environ.get("KVLEASE_KEEP_LOGS"):
+            print(f"\nserver logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_happy_path_text_equals_reference_and_kv_came_over_nixl(fleet: pd.Fleet) -> None:
+    for p, d in pd.PAIRS:
+        text = pd.prompt("happy", f"{p}->{d}")
+        hits0 = fleet.metric(d, "vllm:external_prefix_cache_hits_total")
+        reads0 = fleet.metric(d, "vllm:nixl_xfer_time_seconds_count")
+        failed0 = fleet.metric(d, "vllm:nixl_num_failed_transfers_total")
+        answer = fleet.complete(p, d, text).result(timeout=600)
+        assert answer["status"] == 200, (answer, fleet.logs(p, d))
+        assert fleet.reference[text].matches(answer), (p, d, answer["text"], fleet.reference[text])
+        assert fleet.metric(d, "vllm:external_prefix_cache_hits_total") > hits0, "the prompt was recomputed on D"
+        assert fleet.metric(d, "vllm:nixl_xfer_time_seconds_count") == reads0 + 1
+        assert fleet.metric(d, "vllm:nixl_num_failed_transfers_total") == failed0
+    assert fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total") >= 1
+    pd.wait_until(lambda: fleet.metric("p_kv", "vllm:kvlease_leases_completed_total") >= 1, 30, "P's read-done")
+
+
+def test_mixed_fleets_serve_the_reference_text(fleet: pd.Fleet) -> None:
+    """A rolling upgrade: kvlease P with a stock D (D's ``HB:`` and ``id:count`` understood by
+    P's compat codec), and stock P with a kvlease D (no ticket: vLLM's own heartbeats, and a
+    warning that reads from that producer carry no validity guarantee)."""
+    completed0 = fleet.metric("p_kv", "vllm:kvlease_leases_completed_total")
+    for p, d in (("p_kv", "d_stock"), ("p_stock", "d_kv")):
+        text = pd.prompt("mixed", f"{p}->{d}")
+        answer = fleet.complete(p, d, text).result(timeout=600)
+        assert answer["status"] == 200, (answer, fleet.logs(p, d))
+        assert fleet.reference[text].matches(answer), (p, d, answer["text"], fleet.reference[text])
+    # The stock decoder's "id:count" ended kvlease P's lease (not its expiry).
+    pd.wait_until(lambda: fleet.metric("p_kv", "vllm:kvlease_leases_completed_total") > completed0, 30, "P's read-done")
+    assert "sent no lease ticket (a stock vLLM producer)" in fleet.servers["d_kv"].log()
+
+
+def test_request_queued_longer_than_the_lease_is_served_from_transferred_kv(fleet: pd.Fleet) -> None:
+    """D overloaded: the request waits in D's queue for longer than the lease; kvlease's
+    heartbeats hold P's blocks, and the READ succeeds (no recompute). kvlease's pair only (the
+    fillers' decoding on both decoders would starve this 2-core machine)."""
+    fillers = fleet.fill("d_kv", LEASE * 1.8)
+    try:
+        pd.wait_until(lambda: fleet.metric("d_kv", "vllm:num_requests_running") >= pd.D_SEQS, 120, "D's slots filled")
+        renewed0 = fleet.metric("p_kv", "vllm:kvlease_leases_renewed_total")
+        done0 = fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total")
+        lost0 = fleet.metric("d_kv", "vllm:kvlease_leases_lost_total")
+        text = pd.prompt("overload", "p_kv->d_kv")
+        future = fleet.complete("p_kv", "d_kv", text)
+        pd.wait_until(lambda: fleet.waiting("d_kv"), 120, "the request to wait in D's queue")
+        queued_at = time.monotonic()
+        # How long D went without decoding a token while the request waited: a decoder that gets no
+        # CPU sends no heartbeat either (the lease then ends, rightly).
+        stall, last, tokens = 0.0, queued_at, fleet.metric("d_kv", "vllm:generation_tokens_total")
+        while not future.done():
+            now_tokens = fleet.metric("d_kv", "vllm:generation_tokens_total")
+            if now_tokens != tokens:
+                tokens, last = now_tokens, time.monotonic()
+            stall = max(stall, time.monotonic() - last)
+            time.sleep(0.5)
+        queued = time.monotonic() - queued_at
+        answer = future.result()
+        assert answer["status"] == 200, (answer, fleet.logs("p_kv", "d_kv"))
+        assert fleet.reference[text].matches(answer), (answer["text"], fleet.reference[text])
+        if queued <= LEASE:
+            pytest.fail(f"the request waited only {queued:.1f} s in D's queue (lease {LEASE} s): fillers too short")
+        lost = fleet.metric("d_kv", "vllm:kvlease_leases_lost_total") - lost0
+        print(f"\noverload: queued {queued:.1f} s (lease {LEASE} s), D's longest stall {stall:.1f} s, lost: {lost > 0}")
+        if lost and stall >= LEASE / 2:
+            pytest.skip(f"D decoded nothing for {stall:.1f} s while the request waited (a starved machine): "
+                        "no heartbeat went out, the lease ended and the prompt was recomputed (rightly)")  # fmt: skip
+        assert not lost, fleet.logs("p_kv", "d_kv")
+        assert fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total") > done0, "recomputed, not read"
+        assert fleet.metric("p_kv", "vllm:kvlease_leases_renewed_total") > renewed0
+    finally:
+        for filler in fillers:  # the next scenario needs D's slots
+            filler.result(timeout=900)
+
+
+def test_stale_read_stock_serves_wrong_text_kvlease_never(fleet: pd.Fleet) -> None:
+    """The production failure (`vllm_pd.stale_read`): stock vLLM serves other requests' KV as
+    the victim's (HTTP 200, wrong text); kvlease sees the lease lost (or the READ stale),
+    reports a failed load, and vLLM recomputes: the reference text."""
+    result = pd.stale_read(fleet)
+    kv, stock = result["p_kv"], result["p_stock"]
+    for name, o in (("stock", stock), ("kvlease", kv)):
+        print(f"\nstale read: {name} HTTP {o.answer['status']} {o.answer['text']!r} (reference {o.reference.text!r})")
+    # kvlease: the reference text or a clean error, never another request's KV.
+    assert not kv.wrong, (kv.answer, fleet.logs("p_kv", "d_kv"))
+    assert kv.right or kv.answer["status"] >= 400, kv.answer
+    assert result["kvlease_saw_lease_end"], "kvlease's decoder did not see the lease end"
+    d_log = fleet.servers["d_kv"].log()
+    assert "its lease was lost" in d_log or "is not valid" in d_log
+    # The baseline: stock serves wrong text with HTTP 200. If it does not, say so (never pass silently).
+    assert stock.answer["status"] == 200, stock.answer
+    if stock.right:
+        pytest.fail("the stock baseline did not reproduce: stock served the reference completion")
+
+
+def test_decoder_killed_frees_producer_blocks_within_the_lease(fleet: pd.Fleet) -> None:
+    """D SIGKILLed while its request waits (`vllm_pd.decoder_killed`): P's KV usage back where
+    it was within the lease bound (no heartbeat renews it; the lease pump runs the expiry and
+    the engine keeps stepping while it holds blocks). Stock's figure is printed beside it.
+    Kills the decoders: the module's last test."""
+    freed = pd.decoder_killed(fleet)
+    print(f"\nD killed: P's blocks back after kvlease {freed['p_kv']} s, stock {freed['p_stock']} s (lease {LEASE} s)")
+    kv = freed["p_kv"]
+    assert kv is not None, "kvlease's producer still holds the dead decoder's blocks"
+    assert kv <= LEASE + 3.0, f"freed {kv:.1f} s after the kill (lease {LEASE} s)"

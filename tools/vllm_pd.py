@@ -1,0 +1,660 @@
+"""Real `vllm serve` prefill/decode pairs on this machine, for the suite, the benchmark and the demo.
+
+Each server is a real ``vllm serve`` process of the engine environment (.venv-vllm, built by
+engines/vllm/setup.sh) with real CPU forward passes of the tiny Llama made there, KV moved over
+NIXL (UCX on loopback, host memory), run with stock vLLM's ``NixlConnector`` or with kvlease's
+(``kv_connector_module_path: kvlease.adapters.vllm``). In front: engines/vllm/router.py; the
+requests come from engines/vllm/client.py (the ``openai`` library). Used by
+tests/test_vllm_serve.py, bench/vllm_serve.py and this file's ``demo`` (docs/vllm-serve.md).
+
+Servers start in a scratch directory, never in the repository: a process started from a folder
+that holds a directory named ``kvlease`` imports that directory (without the mapped subpackages)
+instead of the installed package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import attrs
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
+MODEL = ROOT / ".venv-vllm" / "tiny-llama"
+ROUTER = ROOT / "engines" / "vllm" / "router.py"
+CLIENT = ROOT / "engines" / "vllm" / "client.py"
+
+#: Every server's environment (docs/vllm-serve.md explains each).
+SERVER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1",
+    # Four servers share two cores: one compute thread each, and OpenMP threads that sleep when
+    # idle (Intel OpenMP spins 200 ms after every parallel region by default: four idle workers
+    # spinning at 40 % CPU each starved the machine to 2 decoded tokens per second).
+    "OMP_NUM_THREADS": "1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "KMP_BLOCKTIME": "0",
+}
+
+#: The flags both roles share (docs/vllm-serve.md).
+COMMON_FLAGS = [
+    "--host", "127.0.0.1", "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024",
+    "--enforce-eager", "--block-size", "32",
+]  # fmt: skip
+
+STOCK, KVLEASE = "stock", "kvlease"
+PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
+
+
+def missing_environment() -> str | None:
+    """Why the real-serving pieces cannot run here, or None."""
+    if not VENV_PY.exists():
+        return f"{VENV_PY} is missing: run `bash engines/vllm/setup.sh` (bash dev.sh test does)"
+    if not (MODEL / "model.safetensors").exists():
+        return f"the tiny model is missing at {MODEL}: run `bash engines/vllm/setup.sh`"
+    if not list((VENV_PY.parent.parent / "lib").glob("python3*/site-packages/vllm/_C.abi3.so")):
+        return "vLLM's CPU kernels (vllm/_C.abi3.so) are missing from .venv-vllm: run engines/vllm/setup.sh"
+    return None
+
+
+_PORTS = random.Random(os.getpid() ^ int(time.time()))
+
+
+def free_port() -> int:
+    """A port free now, below the ephemeral range (so sockets opened meanwhile do not take it)."""
+    for _ in range(500):
+        port = _PORTS.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 32000)")
+
+
+def kv_transfer_config(
+    connector: str, role: str, lease: float, *, policy: str = "recompute", extra: dict[str, Any] | None = None
+) -> str:
+    """``--kv-transfer-config`` for one server: stock vLLM's NIXL connector or kvlease's, under the
+    same name (``NixlConnector``, so every name-keyed NIXL check of vLLM applies to both)."""
+    cfg: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {"kv_lease_duration": lease, **(extra or {})},
+    }
+    if connector == KVLEASE:
+        cfg["kv_connector_module_path"] = "kvlease.adapters.vllm"
+    return json.dumps(cfg)
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except (OSError, TimeoutError) as e:
+        return 0, repr(e)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Each sample's value by sample name, summed over labels (one engine per server here)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+@attrs.define(eq=False)
+class Server:
+    """One ``vllm serve`` process (with its engine-core child) in a process group of its own."""
+
+    name: str
+    connector: str
+    role: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    lease: float
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        return self.alive() and get(self.url + "/health", timeout=2)[0] == 200
+
+    def metrics(self) -> dict[str, float]:
+        """The server's /metrics now (a loaded machine may take seconds to answer: retried)."""
+        for _ in range(3):
+            status, text = get(self.url + "/metrics", timeout=20)
+            if status == 200:
+                return parse_metrics(text)
+        raise RuntimeError(f"{self.name}: /metrics answered {status}: {text[:200]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Signal every process of the server (API server, engine core, their threads)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def freeze(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.thaw()
+            self.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+        self.kill()
+
+
+def start_server(
+    name: str,
+    connector: str,
+    role: str,
+    workdir: Path,
+    *,
+    lease: float = 6.0,
+    blocks: int | None = None,
+    max_num_seqs: int = 4,
+    extra: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Server:
+    """Start one server (returns at once: `wait_healthy` waits for it)."""
+    port, side = free_port(), free_port()
+    flags = [*COMMON_FLAGS, "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+    if blocks is not None:
+        flags += ["--num-gpu-blocks-override", str(blocks)]
+    flags += ["--kv-transfer-config", kv_transfer_config(connector, role, lease, extra=extra)]
+    log_path = workdir / f"{name}.log"
+    run_in = workdir / "cwd"
+    run_in.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [str(VENV_PY), "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL), *flags],
+        cwd=run_in,
+        env={**os.environ, **SERVER_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), **(env or {})},
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return Server(name, connector, role, port, log_path, proc, lease)
+
+
+def tail(text: str, n: int = 25) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def wait_healthy(servers: list[Server], timeout: float = 900.0) -> float:
+    """Wait until every server answers /health; seconds waited. A server that dies fails at once,
+    with its log's tail."""
+    start = time.monotonic()
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if not s.alive():
+                raise RuntimeError(f"{s.name} exited with {s.proc.returncode} while starting:\n{tail(s.log())}")
+            if s.healthy():
+                pending.remove(s)
+        if time.monotonic() - start > timeout:
+            raise RuntimeError(f"not healthy after {timeout:.0f} s: {[s.name for s in pending]}")
+        if pending:
+            time.sleep(2)
+    return time.monotonic() - start
+
+
+@attrs.define(eq=False)
+class Router:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_router(prefills: list[Server], decodes: list[Server], workdir: Path) -> Router:
+    port = free_port()
+    args = [str(VENV_PY), str(ROUTER), "--port", str(port)]
+    args += [a for s in prefills for a in ("--prefill", f"{s.name}={s.url}")]
+    args += [a for s in decodes for a in ("--decode", f"{s.name}={s.url}")]
+    log_path = workdir / "router.log"
+    proc = subprocess.Popen(args, cwd=workdir, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
+    router = Router(proc, port, log_path)
+    wait_until(lambda: get(f"http://127.0.0.1:{port}/health")[0] != 0, 60, "the router to listen")
+    return router
+
+
+class Client:
+    """engines/vllm/client.py as a subprocess: completions through the ``openai`` library."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [str(VENV_PY), str(CLIENT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self._pending: dict[str, Future[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._ids = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            answer = json.loads(line)
+            with self._lock:
+                future = self._pending.pop(answer["id"])
+            future.set_result(answer)
+
+    def submit(
+        self,
+        base_url: str,
+        prompt: str,
+        max_tokens: int = 16,
+        *,
+        headers: dict[str, str] | None = None,
+        stream: bool = False,
+        extra_body: dict[str, Any] | None = None,
+    ) -> Future[dict[str, Any]]:
+        future: Future[dict[str, Any]] = Future()
+        with self._lock:
+            self._ids += 1
+            rid = f"c{self._ids}"
+            self._pending[rid] = future
+        req = dict(id=rid, base_url=base_url, prompt=prompt, max_tokens=max_tokens, headers=headers, stream=stream)
+        if extra_body:
+            req["extra_body"] = extra_body
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return future
+
+    def complete(self, base_url: str, prompt: str, max_tokens: int = 16, **kw: Any) -> dict[str, Any]:
+        return self.submit(base_url, prompt, max_tokens, **kw).result(timeout=900)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str, every: float = 0.2) -> float:
+    """Poll ``pred`` until true; seconds waited. `TimeoutError` says what was awaited."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(every)
+    return time.monotonic() - start
+
+
+_REFERENCE = """
+import json, sys
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+model_dir, max_tokens = sys.argv[1], int(sys.argv[2])
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+out = {}
+for prompt in json.loads(sys.stdin.read()):
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    new = gen[0, ids.shape[1]:].tolist()
+    out[prompt] = {"text": tok.decode(new, skip_special_tokens=True), "ids": new}
+print(json.dumps(out))
+"""
+
+
+@attrs.frozen
+class Reference:
+    """A prompt's greedy completion by ``transformers`` alone: its tokens, and their text."""
+
+    text: str
+    ids: list[int]
+
+    def matches(self, answer: dict[str, Any]) -> bool:
+        """Whether a completion (asked with ``return_token_ids``) is exactly this one. Tokens, not
+        text: a byte-level tokenizer's last token may end inside a UTF-8 character, which vLLM's
+        incremental detokenizer holds back and ``decode`` shows as U+FFFD."""
+        return answer.get("token_ids") == self.ids
+
+
+def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, Reference]:
+    """Each prompt's greedy completion computed by ``transformers`` alone (no vLLM, no KV transfer):
+    what any correct P/D pair must return for it."""
+    proc = subprocess.run(
+        [str(VENV_PY), "-c", _REFERENCE, str(MODEL), str(max_tokens)],
+        input=json.dumps(prompts),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference run failed:\n{tail(proc.stderr)}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {prompt: Reference(r["text"], [int(i) for i in r["ids"]]) for prompt, r in found.items()}
+
+
+@contextlib.contextmanager
+def frozen(*servers: Server) -> Iterator[None]:
+    """Every process of each server stopped (SIGSTOP) for the block: a decode engine that stalls
+    (a long GC pause, a host under memory pressure, a debugger), then resumes as if nothing happened."""
+    for s in servers:
+        s.freeze()
+    try:
+        yield
+    finally:
+        for s in servers:
+            s.thaw()
+
+
+# -- the fleet the suite, the benchmark and the demo run -------------------------------------
+
+P_BLOCKS = 48  # P's KV cache (blocks of 32 tokens): small, so other requests reuse a freed block
+D_SEQS = 2  # D's sequence slots: two fillers keep a request waiting in D's queue
+MAX_TOKENS = 16
+PROMPTS = {
+    "happy": "def happy_path(x):\n    return",
+    "mixed": "class MixedFleet:\n    def __init__(self):",
+    "overload": "def overloaded_decoder(queue):\n    for item in",
+    "stale": "def lease_victim(x): return x * 2",
+    "killed": "import os\nclass DeadDecoder:",
+}
+ROUTES = ("p_stock->d_stock", "p_kv->d_kv", "p_kv->d_stock", "p_stock->d_kv")
+PAIRS = (("p_stock", "d_stock"), ("p_kv", "d_kv"))
+
+
+def prompt(kind: str, route: str) -> str:
+    """A prompt unique to a scenario and a route (so no prefix cache shares its blocks)."""
+    return f"# {route}\n{PROMPTS[kind]}"
+
+
+class Fleet:
+    """A stock pair (``p_stock``, ``d_stock``: vLLM's own NixlConnector) and a kvlease pair
+    (``p_kv``, ``d_kv``), one router that pairs any P with any D (mixed fleets included), one
+    client, and every scenario prompt's reference completion."""
+
+    def __init__(self, workdir: Path, lease: float) -> None:
+        self.workdir = workdir
+        self.lease = lease
+        self.servers: dict[str, Server] = {}
+        self.router: Router | None = None
+        self.client: Client | None = None
+        self.reference: dict[str, Reference] = {}
+        self.decode_rate = 0.0  # tokens per second of one request on D, measured at start
+        self.startup_s = 0.0
+        self.warmup: dict[str, int] = {}  # route -> HTTP status of its first-contact completion
+
+    def start(self) -> None:
+        for connector, suffix in ((STOCK, "stock"), (KVLEASE, "kv")):
+            self.servers[f"p_{suffix}"] = start_server(
+                f"p_{suffix}", connector, PRODUCER, self.workdir, lease=self.lease, blocks=P_BLOCKS
+            )
+            self.servers[f"d_{suffix}"] = start_server(
+                f"d_{suffix}", connector, CONSUMER, self.workdir, lease=self.lease, max_num_seqs=D_SEQS
+            )
+        started = time.monotonic()
+        prompts = [prompt(kind, route) for kind in PROMPTS for route in ROUTES]
+        self.reference = reference_texts(prompts, MAX_TOKENS)  # while the servers start
+        wait_healthy(list(self.servers.values()))
+        self.startup_s = time.monotonic() - started
+        s = self.servers
+        self.router = start_router([s["p_stock"], s["p_kv"]], [s["d_stock"], s["d_kv"]], self.workdir)
+        self.client = Client()
+        # First contact: one completion per route, so vLLM's own NIXL handshakes (its side
+        # channel, each producer's agent loaded) are done before the scenarios. On a loaded
+        # machine a first handshake took 16 s, longer than the lease: kvlease then refuses that
+        # first READ (a failed load, recomputed), where stock vLLM's lazy expiry happens to let
+        # it through. What each warm-up did is kept in `warmup`.
+        warm = {}
+        for route in ROUTES:
+            p, d = route.split("->")
+            warm[route] = self.complete(p, d, f"warm up {route}")
+        self.warmup = {route: future.result(timeout=900)["status"] for route, future in warm.items()}
+        # The machine's decode speed now, for fillers that outlast what a scenario waits for.
+        t0 = time.monotonic()
+        self.client.complete(f"{s['d_stock'].url}/v1", "warm up", 32, extra_body={"ignore_eos": True})
+        self.decode_rate = 32 / (time.monotonic() - t0)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.router is not None:
+            self.router.stop()
+        for server in self.servers.values():
+            server.stop()
+
+    def complete(self, p: str, d: str, text: str) -> Future[dict[str, Any]]:
+        """A completion through the router, from P `p` to D `d`, with its token ids."""
+        assert self.client is not None and self.router is not None
+        headers = {"x-kvlease-prefill": p, "x-kvlease-decode": d}
+        body = {"return_token_ids": True}
+        return self.client.submit(self.router.base_url, text, MAX_TOKENS, headers=headers, extra_body=body)
+
+    def fill(self, d: str, seconds: float) -> list[Future[dict[str, Any]]]:
+        """Occupy every sequence slot of decoder `d` for about `seconds` (direct requests)."""
+        assert self.client is not None
+        # The rate was measured on an idle decoder: two fillers at once, on a loaded machine, go
+        # slower, so the cap keeps a filler from outliving its scenario by minutes.
+        tokens = max(32, min(600, int(self.decode_rate * seconds)))
+        url = f"{self.servers[d].url}/v1"
+        return [
+            self.client.submit(url, f"filler {i} {time.monotonic()}", tokens, extra_body={"ignore_eos": True})
+            for i in range(D_SEQS)
+        ]
+
+    def fill_both(self, seconds: float) -> list[Future[dict[str, Any]]]:
+        fillers = self.fill("d_kv", seconds) + self.fill("d_stock", seconds)
+        wait_until(
+            lambda: all(self.metric(d, "vllm:num_requests_running") >= D_SEQS for _, d in PAIRS),
+            120,
+            "the decoders' sequence slots to fill",
+        )
+        return fillers
+
+    def metric(self, server: str, name: str) -> float:
+        return self.servers[server].metrics().get(name, 0.0)
+
+    def waiting(self, d: str) -> bool:
+        return self.metric(d, "vllm:num_requests_waiting") >= 1
+
+    def logs(self, *names: str) -> str:
+        return "\n".join(f"--- {n} ---\n{tail(self.servers[n].log(), 15)}" for n in names)
+
+
+@attrs.frozen
+class Outcome:
+    """What one pair served for a scenario's victim."""
+
+    route: str
+    answer: dict[str, Any]
+    reference: Reference
+
+    @property
+    def right(self) -> bool:
+        return self.answer["status"] == 200 and self.reference.matches(self.answer)
+
+    @property
+    def wrong(self) -> bool:
+        """HTTP 200 with a completion that is not the prompt's: another request's KV was used."""
+        return self.answer["status"] == 200 and not self.reference.matches(self.answer)
+
+
+def stale_read(f: Fleet) -> dict[str, Any]:
+    """The production failure, on both pairs at once: D's request waits in its queue, every D
+    process stalls past the lease, P frees the blocks and ten other requests reuse them, D
+    resumes and READs. Returns each pair's `Outcome`, and what kvlease's decoder counted."""
+    assert f.client is not None
+    fillers = f.fill_both(f.lease)
+    victims = {p: (prompt("stale", f"{p}->{d}"), f.complete(p, d, prompt("stale", f"{p}->{d}"))) for p, d in PAIRS}
+    wait_until(lambda: f.waiting("d_kv") and f.waiting("d_stock"), 120, "the victims in the decoders' queues")
+    seen0 = f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
+        "d_kv", "vllm:kvlease_stale_reads_caught_total"
+    )
+    with frozen(f.servers["d_kv"], f.servers["d_stock"]):
+        time.sleep(f.lease + 3)
+        # One request through each P first: its engine steps, and stock vLLM's reaper (which runs
+        # only in a step) frees the expired victim's blocks; then other requests whose prompts
+        # take every block of P's small cache, the victim's freed ones included.
+        for p, _ in PAIRS:
+            f.client.complete(f"{f.servers[p].url}/v1", "step", 1)
+        time.sleep(1.0)
+        others = [
+            f.client.submit(f"{f.servers[p].url}/v1", f"other {i} " + "tokens " * 300, 1)
+            for p, _ in PAIRS
+            for i in range(10)
+        ]
+        for other in others:
+            other.result(timeout=600)
+    out: dict[str, Any] = {}
+    for p, d in PAIRS:
+        text, future = victims[p]
+        out[p] = Outcome(f"{p}->{d}", future.result(timeout=900), f.reference[text])
+
+    def seen() -> float:
+        return f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
+            "d_kv", "vllm:kvlease_stale_reads_caught_total"
+        )
+
+    # vLLM publishes a connector's counters with its next stats: give them some seconds.
+    try:
+        wait_until(lambda: seen() > seen0, 30, "kvlease's decoder to count the lease's end", every=1.0)
+        out["kvlease_saw_lease_end"] = True
+    except TimeoutError:
+        out["kvlease_saw_lease_end"] = False
+    for filler in fillers:
+        filler.result(timeout=900)
+    return out
+
+
+def decoder_killed(f: Fleet) -> dict[str, float | None]:
+    """Both decoders SIGKILLed while their requests wait in their queues: seconds until each P's
+    KV usage is back where it was (None: not within three leases and ten seconds). Leaves the
+    fleet without decoders."""
+    fillers = f.fill_both(f.lease)
+    usage0 = {p: f.metric(p, "vllm:kv_cache_usage_perc") for p, _ in PAIRS}
+    victims = [f.complete(p, d, prompt("killed", f"{p}->{d}")) for p, d in PAIRS]
+    wait_until(lambda: f.waiting("d_kv") and f.waiting("d_stock"), 120, "the victims in the decoders' queues")
+    wait_until(lambda: all(f.metric(p, "vllm:kv_cache_usage_perc") > usage0[p] for p in usage0), 30, "P's blocks")
+    killed_at = time.monotonic()
+    for _, d in PAIRS:
+        f.servers[d].kill()
+    freed: dict[str, float | None] = dict.fromkeys(usage0)
+    deadline = killed_at + 3 * f.lease + 10
+    while time.monotonic() < deadline and None in freed.values():
+        for p in usage0:
+            if freed[p] is None and f.metric(p, "vllm:kv_cache_usage_perc") <= usage0[p]:
+                freed[p] = time.monotonic() - killed_at
+        time.sleep(0.25)
+    for future in [*victims, *fillers]:
+        future.result(timeout=120)  # the dead decoder's requests end (an error), never hang
+    return freed
+
+
+def demo(lease: float) -> int:
+    """Both pairs, the stale read and the decoder crash, the texts side by side."""
+    problem = missing_environment()
+    if problem is not None:
+        print(f"vllm-demo: {problem}")
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="kvlease-vllm-demo-"))
+    f = Fleet(workdir, lease)
+    print(f"starting a stock vLLM pair and a kvlease pair (4 x vllm serve, lease {lease:g} s) ...", flush=True)
+    try:
+        f.start()
+        print(f"healthy after {f.startup_s:.0f} s; logs in {workdir}\n", flush=True)
+        print(f"1. the stale read: each decoder's request waits in its queue, every decoder process stops "
+              f"for {lease + 3:g} s, ten other requests reuse the producer's blocks, the decoder resumes")  # fmt: skip
+        result = stale_read(f)
+        for p, name in (("p_stock", "stock vLLM"), ("p_kv", "kvlease")):
+            o: Outcome = result[p]
+            verdict = "RIGHT" if o.right else ("WRONG (another request's KV)" if o.wrong else "error")
+            print(f"   {name:10s} HTTP {o.answer['status']}  {verdict}")
+            print(f"              served:    {o.answer['text']!r}")
+            print(f"              reference: {o.reference.text!r}")
+        print(f"   kvlease's decoder saw the lease end: {result['kvlease_saw_lease_end']}\n", flush=True)
+        print("2. the decoder crash: each decoder SIGKILLed while its request waits", flush=True)
+        freed = decoder_killed(f)
+        for p, name in (("p_stock", "stock vLLM"), ("p_kv", "kvlease")):
+            t = freed[p]
+            print(f"   {name:10s} P's blocks back after " + (f"{t:.1f} s" if t is not None else "not within the wait"))
+        ok = result["p_kv"].right or result["p_kv"].answer["status"] >= 400
+        return 0 if ok else 1
+    finally:
+        f.stop()
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="kvlease against stock vLLM in real vllm serve pairs")
+    ap.add_argument("command", choices=["demo"])
+    ap.add_argument("--lease", type=float, default=8.0, help="kv_lease_duration of every server, seconds")
+    sys.exit(demo(ap.parse_args().lease))
