@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +229,21 @@ class Node:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         self._log.close()
+
+
+def settled_stats(node: Node, expected: Callable[[dict[str, Any]], dict[str, float]], timeout: float = 15.0) -> Any:
+    """`node.stats()` once each Prometheus counter that `expected(stats)` names has the value it
+    gives: kvlease reports its counters to vLLM's stats at most every half second (summed), so
+    vLLM's metrics trail the driver's counters by up to that long."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = node.stats()
+        want = expected(stats)
+        if all(stats["prometheus"].get(k) == v for k, v in want.items()):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{node.name}: Prometheus {stats['prometheus']} never reached {want}")
+        time.sleep(0.3)
 
 
 def print_events(*nodes: Node) -> None:

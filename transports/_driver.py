@@ -178,16 +178,23 @@ class _Access:
 
 @attrs.define
 class _Peer:
+    engine_id: str
+    #: The driver's engines with something unanswered (this one among them while it is): the
+    #: liveness check and `next_deadline` look at those only, not at every engine ever heard.
+    unanswered: dict[str, _Peer]
     #: Since when something we sent (or failed to send) to this engine is unanswered.
     unanswered_since: float | None = None
     reported: bool = False
 
     def heard(self) -> None:
+        if self.unanswered_since is not None:
+            self.unanswered.pop(self.engine_id, None)
         self.unanswered_since = None
         self.reported = False
 
     def sent(self, now: float) -> None:
         if self.unanswered_since is None:
+            self.unanswered[self.engine_id] = self
             self.unanswered_since = now
 
 
@@ -232,6 +239,7 @@ class Driver:
         self._pending: list[DriverEvent] = []
         self._addresses: dict[str, str] = {}
         self._peers: dict[str, _Peer] = {}
+        self._unanswered: dict[str, _Peer] = {}  # the peers with unanswered_since set
         self._accesses: dict[str, _Access] = {}
         self._handles: dict[int, str] = {}  # transfer handle -> key
         self._pinned: dict[int, int] = {}  # lease id -> bytes
@@ -264,7 +272,7 @@ class Driver:
                     best = d
         if self._accesses:
             best = min(best, min(a.started for a in self._accesses.values()) + self.transfer_timeout)
-        for p in self._peers.values():  # the liveness check: an unanswered peer's engine TTL
+        for p in self._unanswered.values():  # the liveness check: an unanswered peer's engine TTL
             if p.unanswered_since is not None and p.unanswered_since + self.engine_ttl < best:
                 best = p.unanswered_since + self.engine_ttl
         return None if best == float("inf") else LocalTime(best)
@@ -446,7 +454,7 @@ class Driver:
             d = self.accessor.next_deadline()
             if d is not None and d <= now:
                 self._dispatch(now, self.accessor.handle_timeout(now))
-        if self._peers:
+        if self._unanswered:
             self._check_liveness(now)
         tr.progress()
         events, self._pending = self._pending, []
@@ -787,7 +795,7 @@ class Driver:
                 # Bound the table against invented names: drop peers that are healthy.
                 for k in [k for k, v in self._peers.items() if v.unanswered_since is None][:_LOG_PEERS_MAX]:
                     del self._peers[k]
-            p = self._peers[engine_id] = _Peer()
+            p = self._peers[engine_id] = _Peer(engine_id, self._unanswered)
         return p
 
     def _suspect(self, now: LocalTime, engine_id: str, rank: int | None, reason: str) -> None:
@@ -801,9 +809,12 @@ class Driver:
 
     def _check_liveness(self, now: LocalTime) -> None:
         ttl = self.engine_ttl
-        dead = [e for e, p in self._peers.items() if p.unanswered_since is not None and now - p.unanswered_since >= ttl]
+        dead = [
+            e for e, p in self._unanswered.items() if p.unanswered_since is not None and now - p.unanswered_since >= ttl
+        ]
         for engine_id in dead:
             del self._peers[engine_id]
+            del self._unanswered[engine_id]
             self.stats.peers_dead += 1
             self._log(now, engine_id, f"peer silent for {ttl:.3g} s: disconnected")
             for acc in list(self._accesses.values()):

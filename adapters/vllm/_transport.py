@@ -173,8 +173,9 @@ class ConnectorTransport:
         return out
 
     def progress(self) -> None:
-        for engine in list(self._hellos):
-            self._try_hello(engine)
+        if self._hellos:
+            for engine in list(self._hellos):
+                self._try_hello(engine)
 
     def request_handshake(self, engine_id: str, address: str, data: bytes) -> None:
         self._hellos[engine_id] = data

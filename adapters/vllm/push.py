@@ -665,8 +665,9 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         return res
 
     def _kv_record_stats(self, driver: Driver) -> None:
+        due = self._kv_stats_due
         super()._kv_record_stats(driver)
-        if self.kvlease_push_counts != self._kv_push_counted:
+        if self._kv_stats_due != due and self.kvlease_push_counts != self._kv_push_counted:
             deltas = self._kv_deltas(self._kv_push_counted, self.kvlease_push_counts)
             if deltas:
                 self.xfer_stats.record_kvlease(deltas)
