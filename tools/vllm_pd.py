@@ -513,7 +513,7 @@ class Fleet:
         fillers = self.fill("d_kv", seconds) + self.fill("d_stock", seconds)
         wait_until(
             lambda: all(self.metric(d, "vllm:num_requests_running") >= D_SEQS for _, d in PAIRS),
-            120,
+            300,
             "the decoders' sequence slots to fill",
         )
         return fillers
@@ -601,7 +601,7 @@ def decoder_killed(f: Fleet) -> dict[str, float | None]:
     usage0 = {p: f.metric(p, "vllm:kv_cache_usage_perc") for p, _ in PAIRS}
     victims = [f.complete(p, d, prompt("killed", f"{p}->{d}")) for p, d in PAIRS]
     wait_until(lambda: f.waiting("d_kv") and f.waiting("d_stock"), 120, "the victims in the decoders' queues")
-    wait_until(lambda: all(f.metric(p, "vllm:kv_cache_usage_perc") > usage0[p] for p in usage0), 30, "P's blocks")
+    wait_until(lambda: all(f.metric(p, "vllm:kv_cache_usage_perc") > usage0[p] for p in usage0), 60, "P's blocks")
     killed_at = time.monotonic()
     for _, d in PAIRS:
         f.servers[d].kill()
