@@ -2,7 +2,7 @@
 # One entry point for a fresh clone: creates or updates .venv, then runs what you ask.
 #   bash dev.sh demo [ARGS...]   the two-process loopback demo (ZMQ on 127.0.0.1)
 #   bash dev.sh test [ARGS...]   the whole test suite (what .ci/run calls)
-#   bash dev.sh bench|sim|conformance [ARGS...]   the other kvlease subcommands
+#   bash dev.sh bench|sim|check|conformance [ARGS...]   the other kvlease subcommands
 #   bash dev.sh vllm-demo [--lease S]   stock vLLM and kvlease in real vllm serve pairs, side by side
 #   bash dev.sh gates            only the static gates (ruff check, ruff format --check, mypy --strict)
 #   bash dev.sh env              only create/update the environment
@@ -42,8 +42,9 @@ engines() {
 }
 
 # The engine environments a selection of tests needs: a test file names its engine
-# (tests/test_vllm_*.py, tests/test_sglang_*.py); a directory, or no path at all, may collect
-# them all. Prints engine names, one per line.
+# (tests/test_vllm_*.py, tests/test_sglang_*.py) or imports its helpers (tests/_vllm_*.py,
+# tests/_sglang_*.py, tools/vllm_pd.py); a directory, or no path at all, may collect them all.
+# Prints engine names, one per line.
 engines_for() {
   local a paths=0 all=0 name
   for a in "$@"; do
@@ -53,7 +54,8 @@ engines_for() {
     if [ -d "${a%%::*}" ]; then all=1; continue; fi
     for name in engines/*/; do
       name=$(basename "$name")
-      case "$(basename "${a%%::*}")" in *"$name"*) echo "$name" ;; esac
+      case "$(basename "${a%%::*}")" in *"$name"*) echo "$name"; continue ;; esac
+      if grep -qE "(from|import) _${name}_|import ${name}_pd" "${a%%::*}"; then echo "$name"; fi
     done
   done
   if [ "$paths" = 0 ] || [ "$all" = 1 ]; then
@@ -99,11 +101,11 @@ case "$cmd" in
     rm -f .coverage .coverage.*
     "$VENV/bin/python" -m pytest --cov=kvlease --cov-branch --cov-report= --durations=15
     exec "$VENV/bin/python" -m coverage report --fail-under=95 ;;
-  demo|bench|sim|conformance|version)
+  demo|bench|sim|check|conformance|version)
     exec "$VENV/bin/kvlease" "$cmd" "$@" ;;
   vllm-demo)  # optional: four real vllm serve processes (a few minutes, about 8 GB)
     bash engines/vllm/setup.sh
     exec "$VENV/bin/python" tools/vllm_pd.py demo "$@" ;;
   *)
-    echo "usage: bash dev.sh {demo|test|bench|sim|conformance|version|gates|env|vllm-demo} [ARGS...]" >&2; exit 2 ;;
+    echo "usage: bash dev.sh {demo|test|bench|sim|check|conformance|version|gates|env|vllm-demo} [ARGS...]" >&2; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ instead of the installed package.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -63,9 +64,13 @@ SERVER_ENV = {
 
 #: The flags both roles share (docs/vllm-serve.md).
 COMMON_FLAGS = [
-    "--host", "127.0.0.1", "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "1024",
-    "--enforce-eager", "--block-size", "32",
+    "--host", "127.0.0.1", "--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
+    "--block-size", "32",
 ]  # fmt: skip
+#: The model's context, and the decoders' (their fillers decode for as long as a scenario holds
+#: them: up to a minute at 150 tokens/s; the rotary table is sized to it, nothing of the KV
+#: layout changes, and NIXL's compatibility hash does not cover it).
+MAX_MODEL_LEN, D_MAX_MODEL_LEN = 1024, 8192
 
 STOCK, KVLEASE = "stock", "kvlease"
 PRODUCER, CONSUMER = "kv_producer", "kv_consumer"
@@ -201,12 +206,16 @@ def start_server(
     lease: float = 6.0,
     blocks: int | None = None,
     max_num_seqs: int = 4,
+    max_model_len: int = MAX_MODEL_LEN,
     extra: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
 ) -> Server:
     """Start one server (returns at once: `wait_healthy` waits for it)."""
     port, side = free_port(), free_port()
     flags = [*COMMON_FLAGS, "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+    flags += ["--max-model-len", str(max_model_len)]
+    if max_model_len > MAX_MODEL_LEN:
+        flags += ["--hf-overrides", json.dumps({"max_position_embeddings": max_model_len})]
     if blocks is not None:
         flags += ["--num-gpu-blocks-override", str(blocks)]
     flags += ["--kv-transfer-config", kv_transfer_config(connector, role, lease, extra=extra)]
@@ -280,6 +289,17 @@ def start_router(prefills: list[Server], decodes: list[Server], workdir: Path) -
     return router
 
 
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@attrs.frozen
+class Held:
+    """A request of `Client`: its id (what `Client.cancel` names) and its answer to come."""
+
+    id: str
+    future: Future[dict[str, Any]]
+
+
 class Client:
     """engines/vllm/client.py as a subprocess: completions through the ``openai`` library."""
 
@@ -315,18 +335,35 @@ class Client:
         stream: bool = False,
         extra_body: dict[str, Any] | None = None,
     ) -> Future[dict[str, Any]]:
+        return self._submit(
+            dict(base_url=base_url, prompt=prompt, max_tokens=max_tokens, headers=headers, stream=stream),
+            extra_body,
+        ).future
+
+    def hold(self, base_url: str, prompt: str, max_tokens: int) -> Held:
+        """A streamed request that decodes until `cancel` (or `max_tokens`, ignoring EOS)."""
+        return self._submit(dict(base_url=base_url, prompt=prompt, max_tokens=max_tokens, hold=True), IGNORE_EOS)
+
+    def cancel(self, held: Held) -> None:
+        """End a held request: the client closes its stream and vLLM aborts it."""
+        self._send({"cancel": held.id})
+
+    def _submit(self, req: dict[str, Any], extra_body: dict[str, Any] | None) -> Held:
         future: Future[dict[str, Any]] = Future()
         with self._lock:
             self._ids += 1
             rid = f"c{self._ids}"
             self._pending[rid] = future
-        req = dict(id=rid, base_url=base_url, prompt=prompt, max_tokens=max_tokens, headers=headers, stream=stream)
         if extra_body:
             req["extra_body"] = extra_body
+        self._send({"id": rid, **req})
+        return Held(rid, future)
+
+    def _send(self, line: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        return future
+        with self._lock:
+            self.proc.stdin.write(json.dumps(line) + "\n")
+            self.proc.stdin.flush()
 
     def complete(self, base_url: str, prompt: str, max_tokens: int = 16, **kw: Any) -> dict[str, Any]:
         return self.submit(base_url, prompt, max_tokens, **kw).result(timeout=900)
@@ -418,6 +455,7 @@ def frozen(*servers: Server) -> Iterator[None]:
 
 P_BLOCKS = 48  # P's KV cache (blocks of 32 tokens): small, so other requests reuse a freed block
 D_SEQS = 2  # D's sequence slots: two fillers keep a request waiting in D's queue
+FILLER_TOKENS = D_MAX_MODEL_LEN - 64  # a filler's most: it is held, then cancelled, long before
 MAX_TOKENS = 16
 PROMPTS = {
     "happy": "def happy_path(x):\n    return",
@@ -457,7 +495,13 @@ class Fleet:
                 f"p_{suffix}", connector, PRODUCER, self.workdir, lease=self.lease, blocks=P_BLOCKS
             )
             self.servers[f"d_{suffix}"] = start_server(
-                f"d_{suffix}", connector, CONSUMER, self.workdir, lease=self.lease, max_num_seqs=D_SEQS
+                f"d_{suffix}",
+                connector,
+                CONSUMER,
+                self.workdir,
+                lease=self.lease,
+                max_num_seqs=D_SEQS,
+                max_model_len=D_MAX_MODEL_LEN,
             )
         started = time.monotonic()
         prompts = [prompt(kind, route) for kind in PROMPTS for route in ROUTES]
@@ -477,7 +521,7 @@ class Fleet:
             p, d = route.split("->")
             warm[route] = self.complete(p, d, f"warm up {route}")
         self.warmup = {route: future.result(timeout=900)["status"] for route, future in warm.items()}
-        # The machine's decode speed now, for fillers that outlast what a scenario waits for.
+        # The machine's decode speed now (printed: what the scenarios' timings are relative to).
         t0 = time.monotonic()
         self.client.complete(f"{s['d_stock'].url}/v1", "warm up", 32, extra_body={"ignore_eos": True})
         self.decode_rate = 32 / (time.monotonic() - t0)
@@ -497,26 +541,37 @@ class Fleet:
         body = {"return_token_ids": True}
         return self.client.submit(self.router.base_url, text, MAX_TOKENS, headers=headers, extra_body=body)
 
-    def fill(self, d: str, seconds: float) -> list[Future[dict[str, Any]]]:
-        """Occupy every sequence slot of decoder `d` for about `seconds` (direct requests)."""
+    def fill(self, *decoders: str) -> list[Held]:
+        """Occupy every sequence slot of each decoder with a held request (direct, streamed,
+        decoding until `release`), and wait until they all run: what any request sent to those
+        decoders next does is wait in their queues, for as long as the scenario needs."""
         assert self.client is not None
-        # The rate was measured on an idle decoder: two fillers at once, on a loaded machine, go
-        # slower, so the cap keeps a filler from outliving its scenario by minutes.
-        tokens = max(32, min(600, int(self.decode_rate * seconds)))
-        url = f"{self.servers[d].url}/v1"
-        return [
-            self.client.submit(url, f"filler {i} {time.monotonic()}", tokens, extra_body={"ignore_eos": True})
+        fillers = [
+            self.client.hold(f"{self.servers[d].url}/v1", f"filler {i} {time.monotonic()}", FILLER_TOKENS)
+            for d in decoders
             for i in range(D_SEQS)
         ]
-
-    def fill_both(self, seconds: float) -> list[Future[dict[str, Any]]]:
-        fillers = self.fill("d_kv", seconds) + self.fill("d_stock", seconds)
-        wait_until(
-            lambda: all(self.metric(d, "vllm:num_requests_running") >= D_SEQS for _, d in PAIRS),
-            300,
-            "the decoders' sequence slots to fill",
-        )
+        try:
+            wait_until(
+                lambda: all(self.metric(d, "vllm:num_requests_running") >= D_SEQS for d in decoders),
+                300,
+                f"every sequence slot of {', '.join(decoders)} to be taken by a filler",
+            )
+        except TimeoutError:
+            self.release(fillers)
+            raise
         return fillers
+
+    def release(self, fillers: list[Held]) -> None:
+        """End held fillers (the decoder aborts them) and wait for their answers. A filler that
+        ended by itself before (its decoder killed, or all its tokens decoded) is reported."""
+        assert self.client is not None
+        for filler in fillers:
+            self.client.cancel(filler)
+        for filler in fillers:
+            answer = filler.future.result(timeout=300)
+            if answer["status"] == 200 and not answer.get("cancelled"):
+                print(f"a filler ended before its release: {answer['elapsed']:.0f} s, {len(answer['text'])} chars")
 
     def metric(self, server: str, name: str) -> float:
         return self.servers[server].metrics().get(name, 0.0)
@@ -546,32 +601,44 @@ class Outcome:
         return self.answer["status"] == 200 and not self.reference.matches(self.answer)
 
 
+def wait_for_victims(f: Fleet) -> None:
+    """Until each decoder has a request waiting in its queue (behind the fillers, so it stays
+    there until they are released). A decoder's gauges are as old as its last engine step, and
+    a loaded 2-core machine stalled a decoder's engine for 20 s: each is waited for on its own."""
+    for _, d in PAIRS:
+        wait_until(functools.partial(f.waiting, d), 300, f"the victim in {d}'s queue")
+
+
 def stale_read(f: Fleet) -> dict[str, Any]:
     """The production failure, on both pairs at once: D's request waits in its queue, every D
     process stalls past the lease, P frees the blocks and ten other requests reuse them, D
     resumes and READs. Returns each pair's `Outcome`, and what kvlease's decoder counted."""
     assert f.client is not None
-    fillers = f.fill_both(f.lease)
-    victims = {p: (prompt("stale", f"{p}->{d}"), f.complete(p, d, prompt("stale", f"{p}->{d}"))) for p, d in PAIRS}
-    wait_until(lambda: f.waiting("d_kv") and f.waiting("d_stock"), 120, "the victims in the decoders' queues")
-    seen0 = f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
-        "d_kv", "vllm:kvlease_stale_reads_caught_total"
-    )
-    with frozen(f.servers["d_kv"], f.servers["d_stock"]):
-        time.sleep(f.lease + 3)
-        # One request through each P first: its engine steps, and stock vLLM's reaper (which runs
-        # only in a step) frees the expired victim's blocks; then other requests whose prompts
-        # take every block of P's small cache, the victim's freed ones included.
-        for p, _ in PAIRS:
-            f.client.complete(f"{f.servers[p].url}/v1", "step", 1)
-        time.sleep(1.0)
-        others = [
-            f.client.submit(f"{f.servers[p].url}/v1", f"other {i} " + "tokens " * 300, 1)
-            for p, _ in PAIRS
-            for i in range(10)
-        ]
-        for other in others:
-            other.result(timeout=600)
+    client = f.client
+    fillers = f.fill(*(d for _, d in PAIRS))
+    try:
+        victims = {p: (prompt("stale", f"{p}->{d}"), f.complete(p, d, prompt("stale", f"{p}->{d}"))) for p, d in PAIRS}
+        wait_for_victims(f)
+        seen0 = f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
+            "d_kv", "vllm:kvlease_stale_reads_caught_total"
+        )
+        with frozen(f.servers["d_kv"], f.servers["d_stock"]):
+            time.sleep(f.lease + 3)
+            # One request through each P first: its engine steps, and stock vLLM's reaper (which
+            # runs only in a step) frees the expired victim's blocks; then other requests whose
+            # prompts take every block of P's small cache, the victim's freed ones included.
+            for p, _ in PAIRS:
+                client.complete(f"{f.servers[p].url}/v1", "step", 1)
+            time.sleep(1.0)
+            others = [
+                client.submit(f"{f.servers[p].url}/v1", f"other {i} " + "tokens " * 300, 1)
+                for p, _ in PAIRS
+                for i in range(10)
+            ]
+            for other in others:
+                other.result(timeout=600)
+    finally:
+        f.release(fillers)  # the victims are next in the decoders' queues
     out: dict[str, Any] = {}
     for p, d in PAIRS:
         text, future = victims[p]
@@ -588,8 +655,6 @@ def stale_read(f: Fleet) -> dict[str, Any]:
         out["kvlease_saw_lease_end"] = True
     except TimeoutError:
         out["kvlease_saw_lease_end"] = False
-    for filler in fillers:
-        filler.result(timeout=900)
     return out
 
 
@@ -597,10 +662,10 @@ def decoder_killed(f: Fleet) -> dict[str, float | None]:
     """Both decoders SIGKILLed while their requests wait in their queues: seconds until each P's
     KV usage is back where it was (None: not within three leases and ten seconds). Leaves the
     fleet without decoders."""
-    fillers = f.fill_both(f.lease)
+    fillers = f.fill(*(d for _, d in PAIRS))
     usage0 = {p: f.metric(p, "vllm:kv_cache_usage_perc") for p, _ in PAIRS}
     victims = [f.complete(p, d, prompt("killed", f"{p}->{d}")) for p, d in PAIRS]
-    wait_until(lambda: f.waiting("d_kv") and f.waiting("d_stock"), 120, "the victims in the decoders' queues")
+    wait_for_victims(f)
     wait_until(lambda: all(f.metric(p, "vllm:kv_cache_usage_perc") > usage0[p] for p in usage0), 60, "P's blocks")
     killed_at = time.monotonic()
     for _, d in PAIRS:
@@ -612,7 +677,7 @@ def decoder_killed(f: Fleet) -> dict[str, float | None]:
             if freed[p] is None and f.metric(p, "vllm:kv_cache_usage_perc") <= usage0[p]:
                 freed[p] = time.monotonic() - killed_at
         time.sleep(0.25)
-    for future in [*victims, *fillers]:
+    for future in [*victims, *(filler.future for filler in fillers)]:
         future.result(timeout=120)  # the dead decoder's requests end (an error), never hang
     return freed
 

@@ -94,6 +94,14 @@ TICKET_KEY = "kvlease"
 #: hello from a new decoder waits at most this long). Small against any heartbeat interval.
 PUMP_BUSY = 0.005
 PUMP_IDLE = 0.05
+#: An engine step whose only work is blocks held for decoders' READs comes at most this often
+#: (`KvleasePullScheduler.build_connector_meta`). vLLM steps an engine with pending connector
+#: work in a loop with a 1 ms pause: 700-800 steps a second measured in a real `vllm serve`
+#: producer, each a round trip to every worker, for as long as any lease was held (on a 2-core
+#: host, CPU its decoders needed). The workers' lease pumps answer heartbeats between steps; a
+#: step only reports frees to the scheduler, so a lease's end reaches vLLM's block pool at
+#: most this much later on an idle producer (a busy one steps anyway).
+HELD_STEP_EVERY = 0.05
 
 
 def ticket_binding(params: Mapping[str, Any]) -> bytes:
@@ -230,6 +238,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         # Requests whose blocks this producer holds for a decoder's READ (until a worker
         # reports them in finished_sending): the engine must keep stepping meanwhile.
         self._kv_held: set[str] = set()
+        self._kv_held_step_due = 0.0  # when the next step for held blocks alone may run
 
     def has_pending_push_work(self) -> bool:
         """True while this producer holds blocks under a lease. vLLM 0.33 lets an engine whose
@@ -331,6 +340,18 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._kv_tracked.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if (
+            self._kv_held
+            and not scheduler_output.total_num_scheduled_tokens
+            and not (self._kv_grants or self._kv_fixed or self._kv_track or self._kv_untrack)
+        ):
+            # A step for held blocks alone (see HELD_STEP_EVERY): paced, a new request waits at
+            # most that long more.
+            now = time.monotonic()
+            if now < self._kv_held_step_due:
+                time.sleep(self._kv_held_step_due - now)
+                now = self._kv_held_step_due
+            self._kv_held_step_due = now + HELD_STEP_EVERY
         meta = super().build_connector_meta(scheduler_output)
         meta.kvlease = {
             "incarnation": self.kvlease_incarnation,
@@ -358,7 +379,13 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
 
 #: Reads every exported driver counter at once (a tuple, in `KVLEASE_COUNTERS` order).
 _READ_COUNTERS = operator.attrgetter(*KVLEASE_COUNTERS)
-#: How often the counters' gains reach vLLM's stats, at most, seconds (`_kv_record_stats`).
+#: The counters that move on nearly every busy step (heartbeats and the renewals they carry):
+#: their gains are reported at most every `_STATS_EVERY` seconds. The others count what an
+#: operator alerts on (a lease completed, expired, lost, a read refused, a peer given up) and go
+#: out with the step they happen in, so an engine that goes idle right after never hides one.
+_CHATTER = frozenset({"leases_renewed", "heartbeats_sent", "heartbeats_received", "heartbeat_acks_received"})
+_READ_EVENT_COUNTERS = operator.attrgetter(*(name for name in KVLEASE_COUNTERS if name not in _CHATTER))
+#: How often the chatter counters' gains reach vLLM's stats, at most, seconds (`_kv_record_stats`).
 _STATS_EVERY = 0.5
 
 
@@ -382,6 +409,7 @@ class _KvleaseWorkerBase:
     _kv_counted: dict[str, int]
     #: The driver's counters as last reported, and when they are next due.
     _kv_seen: tuple[int, ...] = (0,) * len(KVLEASE_COUNTERS)
+    _kv_seen_events: tuple[int, ...] = (0,) * (len(KVLEASE_COUNTERS) - len(_CHATTER))
     _kv_stats_due: float = 0.0
 
     def _kv_ensure_driver(self, incarnation: int | None) -> Driver:
@@ -425,23 +453,27 @@ class _KvleaseWorkerBase:
                 counted[name] = now
         return deltas
 
-    def _kv_record_stats(self, driver: Driver) -> None:
-        """The counters' gains since the last report, into vLLM's stats of this step, at most
-        every `_STATS_EVERY` seconds (summed over the steps in between). A step whose connector
-        stats are not empty makes vLLM copy them and ship them to the scheduler (another process
-        under TP), and the heartbeat counters move on nearly every busy step; the other steps pay
-        one clock read."""
+    def _kv_record_stats(self, driver: Driver) -> bool:
+        """The counters' gains since the last report, into vLLM's stats of this step: at once when
+        an event counter moved, else at most every `_STATS_EVERY` seconds (the chatter summed over
+        the steps in between). A step whose connector stats are not empty makes vLLM copy them and
+        ship them to the scheduler (another process under TP), and the chatter moves on nearly
+        every busy step; a step with no event pays a tuple comparison and one clock read.
+        Whether a report was made."""
+        events = _READ_EVENT_COUNTERS(driver.stats)
         now = time.monotonic()
-        if now < self._kv_stats_due:
-            return
+        if events == self._kv_seen_events and now < self._kv_stats_due:
+            return False
+        self._kv_seen_events = events
         self._kv_stats_due = now + _STATS_EVERY
         values = _READ_COUNTERS(driver.stats)
         if values == self._kv_seen:
-            return
+            return True
         self._kv_seen = values
         deltas = self._kv_deltas(self._kv_counted, dict(zip(KVLEASE_COUNTERS, values, strict=True)))
         if deltas:
             self.xfer_stats.record_kvlease(deltas)
+        return True
 
 
 class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: ignore[misc]
@@ -518,16 +550,27 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         acknowledgements, expiries, handshakes) every `PUMP_BUSY` seconds while a lease or a
         track is live, every `PUMP_IDLE` otherwise. What it yields is handed to vLLM on the
         engine's next step (`get_transfer_results`): the pump frees nothing itself."""
+        debug = log.isEnabledFor(logging.DEBUG)
         while not self._kv_stop.is_set():
             busy = False
+            asked = time.monotonic() if debug else 0.0
             with self._kv_lock:
+                if debug and (waited := time.monotonic() - asked) > 0.1:
+                    log.debug("kvlease: the lease pump waited %.3f s for the engine step's lock", waited)
                 driver = self.kvlease_driver
                 if driver is not None:
                     t0 = time.perf_counter_ns()
                     try:
                         self._kv_drain()
+                        drained = time.perf_counter_ns()
                         self._kv_events.extend(driver.step())
                         busy = driver.next_deadline() is not None
+                        if debug and (done := time.perf_counter_ns()) - t0 > 200_000_000:
+                            log.debug(
+                                "kvlease: slow lease pump turn: drain %.3f s, driver step %.3f s",
+                                (drained - t0) / 1e9,
+                                (done - drained) / 1e9,
+                            )
                     except Exception:  # never let the pump die: the engine's steps go on
                         log.exception("kvlease: lease pump step failed")
                     self._kv_work_ns += time.perf_counter_ns() - t0

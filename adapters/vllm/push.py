@@ -664,13 +664,13 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         self._kv_record_stats(driver)
         return res
 
-    def _kv_record_stats(self, driver: Driver) -> None:
-        due = self._kv_stats_due
-        super()._kv_record_stats(driver)
-        if self._kv_stats_due != due and self.kvlease_push_counts != self._kv_push_counted:
-            deltas = self._kv_deltas(self._kv_push_counted, self.kvlease_push_counts)
-            if deltas:
-                self.xfer_stats.record_kvlease(deltas)
+    def _kv_record_stats(self, driver: Driver) -> bool:
+        reported = super()._kv_record_stats(driver)
+        if (reported or self.kvlease_push_counts != self._kv_push_counted) and (
+            deltas := self._kv_deltas(self._kv_push_counted, self.kvlease_push_counts)
+        ):
+            self.xfer_stats.record_kvlease(deltas)
+        return reported
 
 
 # -- the connector -------------------------------------------------------------------------------

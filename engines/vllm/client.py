@@ -11,6 +11,12 @@ own, answering with one JSON line each on stdout::
 ``status`` is the HTTP status (0 when no answer came), ``ttft`` the time to the first streamed
 token (streamed requests only), ``token_ids`` the completion's tokens when the request asked
 vLLM for them (``"extra_body": {"return_token_ids": true}``). Greedy (``temperature=0``) always.
+
+A request with ``"hold": true`` is streamed and runs until the server ends it or a line
+``{"cancel": "v1"}`` arrives; the client then closes the stream, which makes vLLM abort the
+request (it frees the sequence slot at once). Its answer says ``"cancelled": true``. The suite's
+fillers are such requests: they keep a decoder's slots busy for exactly as long as a scenario
+needs, whatever the machine's decode speed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import openai
 
 _write = threading.Lock()
 _clients: dict[str, openai.OpenAI] = {}
+#: Held requests by id: set to end the request (its stream is closed at the next chunk).
+_cancel: dict[str, threading.Event] = {}
 
 
 def client(base_url: str) -> openai.OpenAI:
@@ -47,7 +55,17 @@ def complete(req: dict[str, Any]) -> dict[str, Any]:
         extra_body=req.get("extra_body") or None,
     )
     try:
-        if req.get("stream"):
+        if req.get("hold"):
+            cancel = _cancel[req["id"]]
+            stream = client(req["base_url"]).completions.create(stream=True, **kwargs)
+            out.update(status=200, text="", cancelled=False)
+            with stream:
+                for chunk in stream:
+                    out["text"] += "".join(c.text for c in chunk.choices)
+                    if cancel.is_set():
+                        out["cancelled"] = True
+                        break
+        elif req.get("stream"):
             parts = []
             for chunk in client(req["base_url"]).completions.create(stream=True, **kwargs):
                 if out["ttft"] is None:
@@ -67,7 +85,10 @@ def complete(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def answer(req: dict[str, Any]) -> None:
-    line = json.dumps(complete(req))
+    try:
+        line = json.dumps(complete(req))
+    finally:
+        _cancel.pop(req["id"], None)
     with _write:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
@@ -76,8 +97,16 @@ def answer(req: dict[str, Any]) -> None:
 def main() -> None:
     with ThreadPoolExecutor(max_workers=64) as pool:
         for line in sys.stdin:
-            if line.strip():
-                pool.submit(answer, json.loads(line))
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            if "cancel" in req:
+                if (event := _cancel.get(req["cancel"])) is not None:
+                    event.set()
+                continue
+            if req.get("hold"):
+                _cancel[req["id"]] = threading.Event()
+            pool.submit(answer, req)
 
 
 if __name__ == "__main__":
