@@ -12,6 +12,7 @@ When a figure changes on purpose, rewrite the regenerated cells in place (same s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -241,6 +242,28 @@ def test_figure_table_is_what_its_command_prints(table: Table) -> None:
         "the page disagrees with the command it names (fix the page, or rewrite the cells with "
         "`python tests/test_doc_figures.py --write`):\n" + "\n".join(wrong)
     )
+
+
+def wrong_cells(table: Table) -> list[str]:
+    """The cells of a simulator table that disagree with the command its marker names."""
+    return [cell.where for cell in sim_cells(table) if not same(table.rows[cell.row][cell.col], cell.want)]
+
+
+def test_a_figure_edited_by_hand_fails_the_check() -> None:
+    """The README's simulator table with one number changed by hand (as a person editing the page
+    would) is caught, at that cell and nowhere else; the page as it is passes."""
+    (readme,) = [t for t in figure_tables("kvlease sim") if rel(t.page) == "README.md"]
+    assert wrong_cells(readme) == []
+    edits = 0
+    for r, row in enumerate(readme.rows):
+        for c, text in enumerate(row[1:], start=1):
+            if _is_number(text):
+                edited = [list(x) for x in readme.rows]
+                edited[r][c] = shown((number(text) or 0) + 1, text)
+                hand = dataclasses.replace(readme, rows=edited)
+                assert wrong_cells(hand) == [f"README.md:{readme.row_lines[r] + 1}"], (r, c, text)
+                edits += 1
+    assert edits >= 4 * 5, f"the README's simulator table has {edits} numbers"
 
 
 def allowed_numbers(table: Table) -> set[str]:
