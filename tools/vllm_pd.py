@@ -617,11 +617,13 @@ def stale_read(f: Fleet) -> dict[str, Any]:
     client = f.client
     fillers = f.fill(*(d for _, d in PAIRS))
     try:
-        victims = {p: (prompt("stale", f"{p}->{d}"), f.complete(p, d, prompt("stale", f"{p}->{d}"))) for p, d in PAIRS}
-        wait_for_victims(f)
+        # Counted before the victims exist: a lease that ends while its request waits (before the
+        # freeze) is seen ending too.
         seen0 = f.metric("d_kv", "vllm:kvlease_leases_lost_total") + f.metric(
             "d_kv", "vllm:kvlease_stale_reads_caught_total"
         )
+        victims = {p: (prompt("stale", f"{p}->{d}"), f.complete(p, d, prompt("stale", f"{p}->{d}"))) for p, d in PAIRS}
+        wait_for_victims(f)
         with frozen(f.servers["d_kv"], f.servers["d_stock"]):
             time.sleep(f.lease + 3)
             # One request through each P first: its engine steps, and stock vLLM's reaper (which
