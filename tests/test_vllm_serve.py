@@ -201,4 +201,9 @@ def test_decoder_killed_frees_producer_blocks_within_the_lease(fleet: pd.Fleet) 
     print(f"\nD killed: P's blocks back after kvlease {freed['p_kv']} s, stock {freed['p_stock']} s (lease {LEASE} s)")
     kv = freed["p_kv"]
     assert kv is not None, "kvlease's producer still holds the dead decoder's blocks"
+    if kv == pd.FREED_BEFORE_THE_KILL:
+        pytest.xfail(
+            "kvlease's producer had freed the victim's blocks before the kill: its lease ended while the "
+            "decoder was live (late NIXL notifications; docs/vllm-serve.md, known limits)"
+        )
     assert kv <= LEASE + 3.0, f"freed {kv:.1f} s after the kill (lease {LEASE} s)"
