@@ -32,6 +32,7 @@ MAC_BYTES: Final = 16
 MIN_KEY_BYTES: Final = 16
 _PERSON: Final = b"kvlease-frame-v2"  # 16 bytes: BLAKE2b personalization (domain separation)
 _TICKET_PERSON: Final = b"kvlease-tkt-v3\x00\x00"  # tickets: another domain than frames
+_MESSAGE_PERSON: Final = b"kvlease-msg-v3\x00\x00"  # an adapter's own messages: a third domain
 
 
 def is_sealed_frame(data: bytes | bytearray | memoryview) -> bool:
@@ -98,3 +99,15 @@ class FrameAuth:
 
     def _ticket_tag(self, key: bytes, payload: bytes) -> bytes:
         return hashlib.blake2b(payload, digest_size=MAC_BYTES, key=key, person=_TICKET_PERSON).digest()
+
+    def message_tag(self, payload: bytes) -> bytes:
+        """The tag of an adapter's own control message (e.g. a ticket request), raw bytes. Its
+        own domain: no frame's or ticket's tag is ever a valid message tag, nor the reverse."""
+        return self._message_tag(self._keys[0], payload)
+
+    def check_message_tag(self, payload: bytes, tag: bytes) -> bool:
+        """Whether `tag` is the message tag of `payload` under one of the keys."""
+        return any(hmac.compare_digest(tag, self._message_tag(key, payload)) for key in self._keys)
+
+    def _message_tag(self, key: bytes, payload: bytes) -> bytes:
+        return hashlib.blake2b(payload, digest_size=MAC_BYTES, key=key, person=_MESSAGE_PERSON).digest()

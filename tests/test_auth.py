@@ -81,6 +81,20 @@ def test_rotation_accepts_both_keys_and_signs_with_the_first() -> None:
         old.open(rotating.seal(encode(HB)))
 
 
+def test_message_tags_are_their_own_domain_and_follow_rotation() -> None:
+    # An adapter's own control messages (SGLang's ticket requests) are tagged in a domain of
+    # their own: no ticket's tag is a valid message tag for the same bytes, nor the reverse.
+    old, rotating = FrameAuth([K1]), FrameAuth([K2, K1])
+    payload = b"room 7, asked by d0 of p0"
+    tag = old.message_tag(payload)
+    assert len(tag) == MAC_BYTES and old.check_message_tag(payload, tag)
+    assert not old.check_message_tag(payload + b"!", tag)
+    assert not old.check_message_tag(payload, bytes.fromhex(old.ticket_tag(payload)))
+    assert not old.check_ticket_tag(payload, tag.hex())
+    assert rotating.check_message_tag(payload, tag)  # a peer not yet rotated
+    assert not old.check_message_tag(payload, rotating.message_tag(payload))  # it signs with the new key
+
+
 def test_the_key_never_shows() -> None:
     auth = FrameAuth([K1, K2])
     assert K1.hex() not in repr(auth) and "hidden" in repr(auth)

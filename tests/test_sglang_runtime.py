@@ -382,15 +382,15 @@ def keyed(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Side, Side]]:
         d.close()
 
 
-def captured_tickets(d: Side) -> list[tuple[str, bytes]]:
-    """Wrap D's transport so the T messages it sends are kept (an eavesdropper's copy)."""
+def captured(d: Side, which: bytes) -> list[tuple[str, bytes]]:
+    """Wrap D's transport so the `which` messages it sends are kept (an eavesdropper's copy)."""
     seen: list[tuple[str, bytes]] = []
     real = d.rt.transport.push
 
-    def push(address: str, kind: bytes, payload: bytes, **kw: object) -> None:
-        if kind == b"T":
+    def push(address: str, kind: bytes, payload: bytes, *, peer: str = "") -> None:
+        if kind == which:
             seen.append((address, payload))
-        real(address, kind, payload, **kw)  # type: ignore[arg-type]
+        real(address, kind, payload, peer=peer)
 
     d.rt.transport.push = push  # type: ignore[method-assign]
     return seen
@@ -398,7 +398,7 @@ def captured_tickets(d: Side) -> list[tuple[str, bytes]]:
 
 def test_a_relabelled_ticket_is_refused_under_a_key(keyed: tuple[Side, Side]) -> None:
     p, d = keyed
-    seen = captured_tickets(d)
+    seen = captured(d, b"T")
     grant(d, p, 21)
     acked(p, 21, peer(d))
     address, payload = seen[-1]
@@ -441,7 +441,7 @@ def test_a_reused_room_ids_new_ticket_is_renewed(pd: tuple[Side, Side]) -> None:
     # replay of the old one afterwards is stale.
     p, d = pd
     room = 30
-    seen = captured_tickets(d)
+    seen = captured(d, b"T")
     grant(d, p, room)
     acked(p, room, peer(d))
     d.rt.release_dest(room)
@@ -455,3 +455,68 @@ def test_a_reused_room_ids_new_ticket_is_renewed(pd: tuple[Side, Side]) -> None:
     d.rt.transport.push(address, b"T", old)
     wait_for(lambda: p.rt.tickets_refused == 1)
     assert "stale ticket" in p.rt.refusals[-1].reason
+
+
+# -- ticket requests: only what a decode asked for, sealed under a key ----------------------------
+
+
+def test_a_source_ticket_the_decode_did_not_ask_for_is_not_renewed(pd: tuple[Side, Side]) -> None:
+    # A ticket request in D's name that D never made (spoofed, or replayed from an earlier
+    # request) makes P offer its source ticket to D. Renewing it would pin P's pages for as long
+    # as D lives: nothing on D would ever end that lease.
+    p, d = pd
+    room = 40
+    p.rt.open_source(room)
+    d.rt.transport.push(f"127.0.0.1:{p.port}", b"Q", str(room).encode())
+    wait_for(lambda: d.rt.tickets_refused == 1)
+    assert "did not ask for" in d.rt.refusals[-1].reason
+    assert d.rt.keys(room) == []
+    # The same after D asked and concluded: the ticket that comes after is not renewed either.
+    room = 41
+    d.rt.ask_source(room, "127.0.0.1", p.port)
+    d.rt.stop_source(room)
+    p.rt.open_source(room)  # P's sender appears late: the stashed request is answered now
+    wait_for(lambda: d.rt.tickets_refused == 2)
+    assert d.rt.keys(room) == []
+    # What D asked for and still wants is renewed.
+    room = 42
+    p.rt.open_source(room)
+    d.rt.ask_source(room, "127.0.0.1", p.port)
+    wait_for(lambda: d.rt.keys(room) == [f"s:{room}:{engine_name('127.0.0.1', p.port)}"])
+    time.sleep(2 * FAST.config.kv_lease_duration)
+    assert p.rt.source_live(room) and "fail" not in p.kinds(room)
+    assert d.rt.tickets_refused == 2
+
+
+def test_an_earlier_plugins_ticket_request_is_answered_without_a_key(pd: tuple[Side, Side]) -> None:
+    # A rolling upgrade: a decode on the plugin before sealed requests sends the room alone.
+    p, d = pd
+    room = 43
+    p.rt.open_source(room)
+    with d.rt._lock:
+        d.rt._source_wanted[room] = {engine_name("127.0.0.1", p.port)}
+    d.rt.transport.push(f"127.0.0.1:{p.port}", b"Q", str(room).encode())
+    wait_for(lambda: d.rt.keys(room) != [])
+    assert p.rt.tickets_refused == 0
+
+
+def test_a_ticket_request_without_the_key_is_refused(keyed: tuple[Side, Side]) -> None:
+    p, d = keyed
+    seen = captured(d, b"Q")
+    p.rt.open_source(50)
+    p.rt.open_source(51)
+    d.rt.ask_source(50, "127.0.0.1", p.port)  # the genuine, sealed request is answered
+    wait_for(lambda: d.rt.keys(50) != [])
+    address, genuine = seen[-1]
+    relabelled = msgpack.packb(dict(msgpack.unpackb(genuine), room=51))  # room 50's tag on room 51
+    for payload in (b"51", msgpack.packb({"room": 51}), relabelled):
+        d.rt.transport.push(address, b"Q", payload)
+    wait_for(lambda: p.rt.tickets_refused == 3)
+    reasons = [r.reason for r in p.rt.refusals]
+    assert reasons == ["ticket request carries no tag"] * 2 + [
+        "ticket request has a tag that matches no key and binding"
+    ]
+    assert p.rt.stats.unauthenticated_messages == 3
+    time.sleep(3 * I)
+    assert d.rt.tickets_refused == 0, "P offered a ticket to a request without the key"
+    assert d.rt.keys(51) == []

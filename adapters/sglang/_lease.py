@@ -136,6 +136,11 @@ def _binding(kind: str, room: int, pinner: str, accessor: str, digest: bytes = b
     return msgpack.packb([_BIND_TAG, kind, room, pinner, accessor, digest, aux], use_bin_type=True)  # type: ignore[no-any-return]
 
 
+def _request_binding(room: int, asker: str, prefill: str) -> bytes:
+    """The bytes a ticket request's tag covers: the room, who asks, and whom."""
+    return msgpack.packb([_BIND_TAG, "q", room, asker, prefill], use_bin_type=True)  # type: ignore[no-any-return]
+
+
 @attrs.define
 class _Held:
     """A lease this rank renews (a ticket it tracks), and its access while one is open."""
@@ -210,6 +215,10 @@ class LeaseRuntime:
         self._dest_expired: set[int] = set()  # rooms a destination lease of which expired
         # accessor side
         self._held: dict[int, dict[str, _Held]] = {}  # room -> key -> the lease renewed here
+        #: Decode: room -> the prefill ranks asked for its source-lease ticket, until the request
+        #: concludes. A source ticket for anything else is refused: renewing a lease nobody here
+        #: will end would pin the prefill's pages for as long as this rank lives.
+        self._source_wanted: collections.OrderedDict[int, set[str]] = collections.OrderedDict()
         self._inflight: set[str] = set()  # keys with a chunk in flight (for the overrun warning)
         #: key -> (incarnation, lease id) of the newest ticket tracked for it: an older or equal
         #: one is stale (a replay, a late duplicate), a newer one a reused room's.
@@ -407,6 +416,13 @@ class LeaseRuntime:
         if _address_of(ticket.engine_id) is None:
             self._refuse(room, engine_id, f"pinner {ticket.engine_id!r} is not an SGLang rank")
             return
+        if not push and ticket.engine_id not in self._source_wanted.get(room, ()):
+            self._refuse(
+                room,
+                engine_id,
+                f"a source ticket of {ticket.engine_id!r} this rank did not ask for (or no longer wants)",
+            )
+            return
         self._track(room, f"{kind}:{room}:{ticket.engine_id}", ticket, digest, aux)
 
     def _track(self, room: int, key: str, ticket: LeaseTicket, digest: bytes = b"", aux: int = -1) -> None:
@@ -458,14 +474,42 @@ class LeaseRuntime:
             logger.debug("kvlease: untrack %s: %s", held.key, exc)
         self._drop(held)
 
+    def _ticket_request(self, room: int, prefill: str) -> bytes:
+        """A ``Q`` message: this rank asks `prefill` for `room`'s source ticket. Under a deployment
+        key it carries the key's tag over the room and both ranks: a party without the key cannot
+        make a prefill offer its tickets (spec §7.5: nothing it sends changes which lease guards
+        which pages, nor makes one held longer)."""
+        body: dict[str, Any] = {"room": room}
+        if self._auth is not None:
+            body["tag"] = self._auth.message_tag(_request_binding(room, self.engine_id, prefill))
+        return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+
     def _on_ticket_request(self, engine_id: str, rank: int, address: str, payload: bytes) -> None:
         try:
-            room = int(payload.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
+            if payload.isdigit() and len(payload) <= 20:  # an earlier plugin's form: the room alone
+                room, tag = int(payload), None
+            else:
+                d = msgpack.unpackb(
+                    payload, raw=False, strict_map_key=True, max_str_len=64, max_bin_len=64, max_map_len=4
+                )
+                room, tag = d["room"], d.get("tag")
+            if type(room) is not int or not 0 <= room < 1 << 64:
+                raise ValueError(f"room {room!r}")
+            if _address_of(engine_id) is None:
+                raise ValueError(f"asker {engine_id!r} is not an SGLang rank")
+        except Exception as exc:
             self.transport.dropped += 1
+            logger.debug("kvlease: malformed ticket request from %.100s: %s", engine_id, exc)
             return
-        if _address_of(engine_id) is None:
-            self.transport.dropped += 1
+        if self._auth is not None and not (
+            type(tag) is bytes and self._auth.check_message_tag(_request_binding(room, engine_id, self.engine_id), tag)
+        ):
+            self._refuse(
+                room,
+                engine_id,
+                "ticket request " + ("carries no tag" if tag is None else "has a tag that matches no key and binding"),
+                auth=True,
+            )
             return
         ticket = self._source.get(room)
         if ticket is not None:
@@ -740,15 +784,21 @@ class LeaseRuntime:
         """Decode: the request is admitted: ask the prefill rank for its source-lease ticket, to
         renew it from now on (the memory wait included)."""
         with self._lock:
-            self.transport.learn(engine_name(prefill_ip, prefill_port), f"{prefill_ip}:{prefill_port}")
+            prefill = engine_name(prefill_ip, prefill_port)
+            self.transport.learn(prefill, f"{prefill_ip}:{prefill_port}")
+            self._source_wanted.setdefault(room, set()).add(prefill)
+            self._source_wanted.move_to_end(room)
+            while len(self._source_wanted) > MAX_REMEMBERED:
+                self._source_wanted.popitem(last=False)
             try:
-                self.transport.push(f"{prefill_ip}:{prefill_port}", b"Q", str(room).encode("ascii"))
+                self.transport.push(f"{prefill_ip}:{prefill_port}", b"Q", self._ticket_request(room, prefill))
             except Exception as exc:
                 logger.debug("kvlease: asking %s:%s for room %s's ticket: %s", prefill_ip, prefill_port, room, exc)
 
     def stop_source(self, room: int) -> None:
         """Decode: the request concluded: release the prefill's source lease."""
         with self._lock:
+            self._source_wanted.pop(room, None)
             for held in list(self._held.get(room, {}).values()):
                 if held.key.startswith("s:"):
                     self._untrack(held)
