@@ -417,6 +417,22 @@ def main() -> None:
                 return real_xfer_blocks(*a, **k)
 
             impl0._xfer_blocks = xfer_blocks
+        # Push, decoder: a registration altered on its way to the producer (a party on the path
+        # without the deployment key), per decoder request id: the `tamper_reg` op. "unsealed"
+        # strips the ticket's tag; "moved" keeps the tag and names the blocks in another order.
+        tamper: dict[str, str] = {}
+        if args.connector.endswith("-push") and impl0 is not None and args.role == "kv_consumer":
+            real_send_reg = impl0._do_send_reg_notif
+
+            def send_reg(req_id: str, reg_data: dict[str, Any]) -> Any:
+                how = tamper.pop(str(reg_data.get("request_id")), None)
+                if how == "unsealed":
+                    reg_data = {**reg_data, "kvlease": {k: v for k, v in reg_data["kvlease"].items() if k != "tag"}}
+                elif how == "moved":
+                    reg_data = {**reg_data, "local_block_ids": [list(g)[::-1] for g in reg_data["local_block_ids"]]}
+                return real_send_reg(req_id, reg_data)
+
+            impl0._do_send_reg_notif = send_reg
         # A transfer vLLM posted stays "in progress" however NIXL reports it, per request id
         # (push: the producer's WRITE, the `hold_write` / `release_write` ops; pull: the
         # decoder's READ, `hold_read` with `seconds`), as a slow transfer would: its handles are
@@ -553,6 +569,10 @@ def main() -> None:
             if op == "release_write":
                 held.pop(rid, None)
                 emit(op, id=rid)
+                continue
+            if op == "tamper_reg":
+                tamper[rid] = str(cmd["how"])
+                emit("tampering", id=rid)
                 continue
             if op == "stall_writer":
                 stalls[rid] = float(cmd["seconds"])

@@ -12,6 +12,8 @@ D checks it in the blocks vLLM loaded for it. The scenarios run in order (P is S
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import time
 from collections.abc import Iterator
@@ -26,7 +28,15 @@ pytestmark = pytest.mark.slow
 #: loaded 2-core machine can stall a process for more than D/2 (see test_vllm_adapter.py).
 D = 6.0
 MAX_ACCESS = 1.0  # max_access_time: the push guard G = A * (1 + rho)
-EXTRA = {"kv_lease_duration": D, "max_access_time": MAX_ACCESS}
+#: P and D share a deployment key (frames and push tickets sealed); both accept the stock P2's
+#: unauthenticated ``HB:`` / ``id:count`` (a mixed fleet, stated as such).
+KEY_ENV = "KVLEASE_TEST_PUSH_KEY"
+EXTRA = {
+    "kv_lease_duration": D,
+    "max_access_time": MAX_ACCESS,
+    "auth_keys": [f"env:{KEY_ENV}"],
+    "auth_allow_vllm_compat": True,
+}
 RHO = 1e-4  # max_drift_rate (default)
 G = MAX_ACCESS * (1 + RHO)
 SLACK = 1.0  # scheduling slack of a step loop on a loaded 2-core machine
@@ -38,6 +48,7 @@ SLOW_FLOOR = 1e6
 @pytest.fixture(scope="module")
 def pair() -> Iterator[dict[str, Node]]:
     require_vllm_env()
+    os.environ[KEY_ENV] = secrets.token_hex(32)  # inherited by every node
     specs: dict[str, dict[str, Any]] = {
         "P": dict(
             role="kv_producer",
@@ -170,6 +181,30 @@ def test_push_writes_into_the_decoders_blocks_under_its_lease(pair: dict[str, No
     assert stats["writes_posted"].get("w1", 0) >= 1  # counted at P's NIXL agent
     assert stats["push"]["push_writes_posted"] >= 1 and stats["driver"]["accesses_completed"] >= 1
     settled_stats(d, lambda s: {"vllm:kvlease_leases_completed_total": s["driver"]["leases_completed"]})
+
+
+def test_a_registration_altered_on_the_way_is_never_written(pair: dict[str, Node]) -> None:
+    """Issue 21.3 (push): under a deployment key D's push ticket is sealed to the registration it
+    rides in (D's engine and request id, the destination block ids, the producer). A party on
+    the path without the key strips the tag (t1) or names other blocks under the genuine tag
+    (t2): P tracks neither lease and WRITEs nothing (its prefill's blocks are freed at once);
+    D, never heartbeated, fails the load at the lease's end and recomputes."""
+    p, d = pair["P"], pair["D"]
+    dropped0 = _push(p)["push_writes_dropped"]
+    for rid, how in (("t1", "unsealed"), ("t2", "moved")):
+        d.send(op="tamper_reg", id=rid, how=how)
+        d.wait("tampering", 30, id=rid)
+        _register(p, d, rid)
+        p.send(op="prefill", id=rid)
+    for rid in ("t1", "t2"):
+        done = d.wait("recv_done", 4 * D, id=rid)
+        assert done["failed"] is True and done["match"] is None
+    stats = p.stats()
+    assert "t1" not in stats["writes_posted"] and "t2" not in stats["writes_posted"]
+    assert stats["push"]["push_writes_dropped"] == dropped0 + 2
+    log = p.tail(400)
+    assert "registration t1 carries a malformed push ticket" in log and "carries no tag" in log
+    assert "registration t2 carries a malformed push ticket" in log and "matches no key and binding" in log
 
 
 def test_write_not_covered_by_the_window_is_never_started(pair: dict[str, Node]) -> None:

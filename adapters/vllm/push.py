@@ -74,15 +74,17 @@ from . import _vllm_check  # noqa: F401
 
 # isort: split
 
+import json
 import logging
 import queue
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgpack
-from kvlease.transports import Driver, TransferFailed
+from kvlease.transports import Driver, TransferFailed, load_frame_auth
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPushConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
@@ -121,6 +123,21 @@ log = logging.getLogger("kvlease.adapters.vllm")
 _NEG_INF = float("-inf")
 
 
+def push_binding(reg: Mapping[str, Any]) -> bytes:
+    """What a sealed push ticket guards, from the registration it travels in: the decoder engine,
+    its request id, the destination block ids and the producer it registers with. Under a
+    deployment key the ticket's tag covers these bytes, so a party without the key can neither
+    forge a push lease nor move one onto other blocks (another request's, possibly reused), or
+    make another producer WRITE under it."""
+    fields = [
+        reg.get("decode_engine_id"),
+        reg.get("request_id"),
+        reg.get("local_block_ids"),
+        reg.get("remote_engine_id"),
+    ]
+    return json.dumps(fields, separators=(",", ":"), sort_keys=True, default=int).encode()
+
+
 def _settings_of(vllm_config: VllmConfig) -> AdapterSettings:
     ktc = vllm_config.kv_transfer_config
     return read_settings(ktc.kv_connector_extra_config if ktc is not None else None)
@@ -133,6 +150,7 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_settings = _settings_of(vllm_config)
+        self._kv_auth = load_frame_auth(self.kvlease_settings.lease)
         #: This decoder's pinner incarnation (push leases): every worker's `Pinner` takes it.
         self.kvlease_incarnation = secrets.randbits(64)
         self._kv_next_id = 1
@@ -153,12 +171,16 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
         self._kv_next_id += 1
         self._kv_push_grants[req_id] = lease_id
         self._kv_leases[req_id] = lease_id
-        reg[TICKET_KEY] = LeaseTicket(
+        ticket = LeaseTicket(
             engine_id=self.engine_id,
             incarnation=self.kvlease_incarnation,
             lease_id=lease_id,
             ranks=self.transfer_tp_size,
-        ).to_dict()
+        )
+        # Sealed to the registration as it goes out (vLLM fills it completely before this).
+        reg[TICKET_KEY] = (
+            ticket.to_dict() if self._kv_auth is None else ticket.sealed_dict(self._kv_auth, push_binding(reg))
+        )
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if self._kv_leases.pop(request.request_id, None) is not None:
@@ -239,6 +261,9 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         self._kv_inbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self.nixl_wrapper = _PushAgent(self.nixl_wrapper, self._kv_swap, self._remote_agents, self._kv_inbox)
         self._kv_engines: dict[str, dict[str, Any]] = {}
+        #: The deployment key push tickets are sealed with (None: authentication off).
+        self._kv_auth = load_frame_auth(self.kvlease_settings.lease)
+        self._kv_unsealed_warned: set[str] = set()  # decoders warned about (writer thread only)
         self.kvlease_transport = ConnectorTransport(
             self.nixl_wrapper, engine_id, self.transfer_tp_rank, self._remote_agents, self._kv_handshake
         )
@@ -398,7 +423,7 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
 
     def _kv_track(self, driver: Driver, rid: str, reg: dict[str, Any]) -> None:
         try:
-            ticket = LeaseTicket.from_dict(reg[TICKET_KEY])
+            ticket = LeaseTicket.from_dict(reg[TICKET_KEY], auth=self._kv_auth, bind=push_binding(reg))
         except (ProtocolError, KeyError) as exc:
             # Gated without a lease: never written (D's own watchdog and lease end it).
             log.warning("kvlease: registration %s carries a malformed push ticket (%s): not writing it", rid, exc)
@@ -441,6 +466,19 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
             reg = None
         if isinstance(reg, dict) and isinstance(reg.get("request_id"), str) and reg.get(TICKET_KEY) is not None:
             self._kv_regs.put((reg["request_id"], reg))
+        elif self._kv_auth is not None and not self.kvlease_settings.lease.auth_allow_vllm_compat:
+            # Under a deployment key a registration without a sealed ticket is a stock decoder's
+            # or anybody's: writing it would WRITE into blocks no lease guards, named by a party
+            # that need not hold the key. Not registered (vLLM's own timeouts end both sides).
+            who = str(reg.get("decode_engine_id")) if isinstance(reg, dict) else "?"
+            if who not in self._kv_unsealed_warned and len(self._kv_unsealed_warned) < 1024:
+                self._kv_unsealed_warned.add(who)
+                log.warning(
+                    "kvlease: a push registration from %.100s carries no lease ticket and a deployment key "
+                    "is configured: not writing it (a stock decoder needs auth_allow_vllm_compat)",
+                    who,
+                )
+            return
         super()._handle_push_reg_notif(notif)
 
     def _do_start_push_kv(self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]) -> None:
