@@ -72,6 +72,12 @@ def fleet() -> Iterator[dict[str, Node]]:
         ),
         "P2": dict(role="kv_producer", connector="stock", extra={"kv_lease_duration": int(D)}),
         "D2": dict(role="kv_consumer", connector="stock", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
+        # a kvlease decoder configured apart from P1 (issue 19's hole 1, issue 21: P at 6 s, D at
+        # 30 s): it must renew on P1's stated terms, not its own (a 5 s heartbeat would let P1's
+        # 4 s extensions lapse, and a validity computed on 20 s extensions would read freed blocks)
+        "D3": dict(
+            role="kv_consumer", connector="kvlease", extra={**EXTRA, "kv_lease_duration": 5 * D}, max_num_seqs=1
+        ),
     }
     nodes = {name: Node(name, **spec) for name, spec in specs.items()}
     try:
@@ -206,26 +212,33 @@ def _unblock(d: Node, rid: str, blockers: int = 2) -> None:
 
 
 def test_queued_requests_keep_their_leases_while_heartbeating(fleet: dict[str, Node]) -> None:
-    """D1 (kvlease) and D2 (stock vLLM: ``HB:`` then ``id:count``, the mixed fleet of a rolling
-    upgrade) each keep a request queued for more than 3 leases against the kvlease producer P1:
-    P1 keeps the blocks, and each read then returns the prefilled contents and frees them."""
-    p1, d1, d2 = fleet["P1"], fleet["D1"], fleet["D2"]
+    """D1 (kvlease), D2 (stock vLLM: ``HB:`` then ``id:count``, the mixed fleet of a rolling
+    upgrade) and D3 (kvlease, its own lease 5x P1's) each keep a request queued for more than 3
+    leases against the kvlease producer P1: P1 keeps the blocks, and each read then returns the
+    prefilled contents and frees them. D3 renews on P1's terms (stated in the handshake), so a
+    decoder configured apart neither loses the lease nor reads past P1's free."""
+    p1, d1, d2, d3 = fleet["P1"], fleet["D1"], fleet["D2"], fleet["D3"]
     before = counters(p1)
-    t_added = {"r2": _queue(p1, d1, "r2"), "r5": _queue(p1, d2, "r5")}
+    queued = (("r2", d1), ("r5", d2), ("r6", d3))
+    t_added = {rid: _queue(p1, d, rid) for rid, d in queued}
     time.sleep(3.2 * D)
-    for rid, d in (("r2", d1), ("r5", d2)):
+    for rid, d in queued:
         assert not p1.seen("freed", id=rid), f"{rid} freed while its decoder ({d.name}) was heartbeating"
         assert not d.seen("recv_done", id=rid), f"{rid} was not kept queued"
         _unblock(d, rid)
-    for rid, d in (("r2", d1), ("r5", d2)):
+    for rid, d in queued:
         done = d.wait("recv_done", 60, id=rid)
         assert done["t"] - t_added[rid] >= 3 * D
         assert done["failed"] is False and done["match"] is True
         p1.wait("freed", 30, id=rid)
     after = counters(p1)
     assert after["expired"] == before["expired"]
-    assert after["completed"] == before["completed"] + 2
-    assert after["renewed"] > before["renewed"] + 2 * 3 * 3, "heartbeats renewed both leases all along"
+    assert after["completed"] == before["completed"] + 3
+    assert after["renewed"] > before["renewed"] + 3 * 3 * 3, "heartbeats renewed the three leases all along"
+    # D3 heartbeated at P1's interval (D/6), not its own (5D/6): more than 3 renewals per lease.
+    sent = d3.stats()["driver"]["heartbeats_sent"]
+    print(f"settings apart: D3 (lease {5 * D:.0f} s) sent {sent} heartbeats to P1 (lease {D:.0f} s) in {3.2 * D:.0f} s")
+    assert sent >= 3 * 3, d3.stats()["driver"]
 
 
 def test_kvlease_decoder_falls_back_to_vllm_format_with_a_stock_producer(fleet: dict[str, Node]) -> None:
