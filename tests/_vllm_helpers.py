@@ -92,6 +92,7 @@ class Node:
         log_dir: Path | None = None,
         tp: int = 1,
         model: Path = MODEL,
+        keep_pin: bool = False,
     ) -> None:
         self.name = name
         self.port = free_port()
@@ -131,6 +132,8 @@ class Node:
             cmd += ["--bad-config", json.dumps(bad_config)]
         if build:
             cmd += ["--build", json.dumps(build)]
+        if keep_pin:
+            cmd.append("--keep-pin")
         self.log_path = (log_dir or Path("/tmp")) / f"vllm-node-{name}-{os.getpid()}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(

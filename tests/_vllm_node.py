@@ -109,7 +109,8 @@ def start_worker(args: argparse.Namespace, vllm_config: Any, kv_cache_config: An
     worker = get_kv_transfer_group()
     # vLLM's NIXL worker pins the process to the last core of its NUMA node, for a server
     # with cores to spare; four instances on one small machine would then share one core.
-    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    if not args.keep_pin:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
     kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
     worker.register_kv_caches(kv_caches)
     return worker, kv_caches
@@ -129,7 +130,16 @@ def worker_stats(worker: Any) -> dict[str, Any]:
         "tracked": None if drv is None or drv.accessor is None else drv.accessor.tracked_count,
         "reqs_to_send": len(getattr(impl, "_reqs_to_send", {})),
         "push": getattr(impl, "kvlease_push_counts", None),
+        "cpus": {"main": sorted(os.sched_getaffinity(0)), "pump": pump_cpus(impl)},
     }
+
+
+def pump_cpus(impl: Any) -> list[int] | None:
+    """The cores the kvlease lease pump thread may run on (None: no pump running)."""
+    pump = getattr(impl, "_kv_pump", None)
+    if pump is None or not pump.is_alive() or pump.native_id is None:
+        return None
+    return sorted(os.sched_getaffinity(pump.native_id))
 
 
 def sleep_and_wake(worker: Any) -> Any:
@@ -195,6 +205,11 @@ def main() -> None:
     ap.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)  # a TP worker process
     ap.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)  # rank 0's control listener
     ap.add_argument("--bad-config", default="", help="JSON extra config that must fail at build")
+    ap.add_argument(
+        "--keep-pin",
+        action="store_true",
+        help="keep vLLM's pinning of the worker's main thread to one core (others get every core back)",
+    )
     ap.add_argument(
         "--build",
         default="[]",

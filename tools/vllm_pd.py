@@ -197,6 +197,14 @@ class Server:
         self.kill()
 
 
+def bench_shims() -> dict[str, str]:
+    """The bench's `sitecustomize` (engines/vllm/shims: vLLM's one-core KV reservation skipped on
+    this small host) first on the servers' PYTHONPATH."""
+    shims = str(ROOT / "engines" / "vllm" / "shims")
+    rest = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": shims + (os.pathsep + rest if rest else "")}
+
+
 def start_server(
     name: str,
     connector: str,
@@ -225,7 +233,7 @@ def start_server(
     proc = subprocess.Popen(
         [str(VENV_PY), "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL), *flags],
         cwd=run_in,
-        env={**os.environ, **SERVER_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), **(env or {})},
+        env={**os.environ, **SERVER_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), **bench_shims(), **(env or {})},
         stdout=log_path.open("wb"),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,

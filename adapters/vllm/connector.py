@@ -113,6 +113,32 @@ def ticket_binding(params: Mapping[str, Any]) -> bytes:
     return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
 
+def _cpus_allowed() -> frozenset[int] | None:
+    """The cores the calling thread may run on (None where the platform does not say)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def _run_on(cpus: frozenset[int] | None) -> None:
+    """Let the calling thread run on `cpus` (the process's cores before vLLM pinned its worker).
+
+    On the CPU platform vLLM's NIXL worker pins the worker's main thread to one core per NUMA
+    node, and every thread it starts afterwards inherits that: the lease pump then shares one
+    core with the model forward (and, with ``VLLM_CPU_OMP_THREADS_BIND=nobind``, its OpenMP
+    threads), and needs the GIL the forward's thread holds between its kernels. In a real
+    ``vllm serve`` decoder on a 2-core host that starved the pump for seconds at a time: heartbeats
+    went out (and answers came in) up to 25 s late, and producers' leases ended while their
+    decoders were alive. The pump's work is small; letting the OS place it anywhere costs the
+    reserved core nothing."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            log.debug("kvlease: could not let the lease pump run on cores %s: %s", sorted(cpus), exc)
+
+
 def _route_logs_through_vllm() -> None:
     """kvlease's loggers write where vLLM's do, in vLLM's format (vLLM configures only its
     own ``vllm`` logger, so without this kvlease's INFO lines were dropped and its warnings
@@ -480,6 +506,9 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
     nixl_wrapper: Any
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        # The cores this process may run on, before vLLM's NIXL worker pins this thread (on the
+        # CPU platform: to the last core of each NUMA node). The lease pump runs on these.
+        self._kv_cpus = _cpus_allowed()
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.kvlease_settings = _settings_of(vllm_config)
         self.kvlease_bound = transfer_bound_of(vllm_config, kv_cache_config, self.kvlease_settings)
@@ -550,6 +579,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         acknowledgements, expiries, handshakes) every `PUMP_BUSY` seconds while a lease or a
         track is live, every `PUMP_IDLE` otherwise. What it yields is handed to vLLM on the
         engine's next step (`get_transfer_results`): the pump frees nothing itself."""
+        _run_on(self._kv_cpus)
         debug = log.isEnabledFor(logging.DEBUG)
         while not self._kv_stop.is_set():
             busy = False
