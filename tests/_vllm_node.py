@@ -137,7 +137,7 @@ def worker_stats(worker: Any) -> dict[str, Any]:
 def pump_cpus(impl: Any) -> list[int] | None:
     """The cores the kvlease lease pump thread may run on (None: no pump running)."""
     pump = getattr(impl, "_kv_pump", None)
-    if pump is None or not pump.is_alive() or pump.native_id is None:
+    if not isinstance(pump, threading.Thread) or not pump.is_alive() or pump.native_id is None:
         return None
     return sorted(os.sched_getaffinity(pump.native_id))
 
