@@ -105,12 +105,19 @@ def free_port() -> int:
 
 
 def kv_transfer_config(
-    connector: str, role: str, lease: float, *, policy: str = "recompute", extra: dict[str, Any] | None = None
+    connector: str,
+    role: str,
+    lease: float,
+    *,
+    policy: str = "recompute",
+    extra: dict[str, Any] | None = None,
+    name: str = "NixlConnector",
 ) -> str:
     """``--kv-transfer-config`` for one server: stock vLLM's NIXL connector or kvlease's, under the
-    same name (``NixlConnector``, so every name-keyed NIXL check of vLLM applies to both)."""
+    same name (``NixlConnector``, so every name-keyed NIXL check of vLLM applies to both; or
+    ``NixlPushConnector``, push mode)."""
     cfg: dict[str, Any] = {
-        "kv_connector": "NixlConnector",
+        "kv_connector": name,
         "kv_role": role,
         "kv_buffer_device": "cpu",
         "kv_load_failure_policy": policy,
@@ -218,6 +225,7 @@ def start_server(
     max_model_len: int = MAX_MODEL_LEN,
     extra: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    connector_name: str = "NixlConnector",
 ) -> Server:
     """Start one server (returns at once: `wait_healthy` waits for it)."""
     port, side = free_port(), free_port()
@@ -227,7 +235,7 @@ def start_server(
         flags += ["--hf-overrides", json.dumps({"max_position_embeddings": max_model_len})]
     if blocks is not None:
         flags += ["--num-gpu-blocks-override", str(blocks)]
-    flags += ["--kv-transfer-config", kv_transfer_config(connector, role, lease, extra=extra)]
+    flags += ["--kv-transfer-config", kv_transfer_config(connector, role, lease, extra=extra, name=connector_name)]
     log_path = workdir / f"{name}.log"
     run_in = workdir / "cwd"
     run_in.mkdir(parents=True, exist_ok=True)
@@ -337,7 +345,7 @@ class Client:
     def submit(
         self,
         base_url: str,
-        prompt: str,
+        prompt: str | list[int],
         max_tokens: int = 16,
         *,
         headers: dict[str, str] | None = None,
@@ -403,14 +411,21 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 model_dir, max_tokens = sys.argv[1], int(sys.argv[2])
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-out = {}
-for prompt in json.loads(sys.stdin.read()):
-    ids = tok(prompt, return_tensors="pt").input_ids
+def complete(ids, n):
     with torch.no_grad():
-        gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    new = gen[0, ids.shape[1]:].tolist()
-    out[prompt] = {"text": tok.decode(new, skip_special_tokens=True), "ids": new}
+        gen = model.generate(torch.tensor([ids], dtype=torch.long), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(ids)))
+    new = gen[0, len(ids):].tolist()
+    return {"text": tok.decode(new, skip_special_tokens=True), "ids": new}
+out = []
+for item in json.loads(sys.stdin.read()):
+    if isinstance(item, str):
+        out.append(complete(tok(item).input_ids, max_tokens))
+    else:  # a conversation: turn 1's prompt and answer length, then turn 2 as a client sends it
+        ids = tok(item["prompt"]).input_ids
+        first = complete(ids, item["answer_tokens"])
+        then = [*ids, *first["ids"], *ids[1:1 + item["more_tokens"]]]
+        out.append({"turns": [first, complete(then, max_tokens)], "turn2_ids": then})
 print(json.dumps(out))
 """
 
@@ -432,9 +447,39 @@ class Reference:
 def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, Reference]:
     """Each prompt's greedy completion computed by ``transformers`` alone (no vLLM, no KV transfer):
     what any correct P/D pair must return for it."""
+    found = _run_reference(list(prompts), max_tokens)
+    return {p: Reference(r["text"], [int(i) for i in r["ids"]]) for p, r in zip(prompts, found, strict=True)}
+
+
+@attrs.frozen
+class Conversation:
+    """A two-turn conversation's references: turn 1 (`TURN1_TOKENS` of answer), and turn 2's
+    prompt as a client sends it (turn 1's prompt and answer, then new words: `TURN2_MORE`
+    tokens of turn 1's prompt again) with its reference."""
+
+    turn1: Reference
+    turn2_ids: list[int]
+    turn2: Reference
+
+
+def conversations(prompts: list[str], max_tokens: int) -> dict[str, Conversation]:
+    """Each prompt's `Conversation`, computed by ``transformers`` alone."""
+    items = [{"prompt": p, "answer_tokens": TURN1_TOKENS, "more_tokens": TURN2_MORE} for p in prompts]
+    found = _run_reference(items, max_tokens)
+    return {
+        p: Conversation(
+            Reference(r["turns"][0]["text"], r["turns"][0]["ids"]),
+            [int(i) for i in r["turn2_ids"]],
+            Reference(r["turns"][1]["text"], r["turns"][1]["ids"]),
+        )
+        for p, r in zip(prompts, found, strict=True)
+    }
+
+
+def _run_reference(items: list[Any], max_tokens: int) -> list[dict[str, Any]]:
     proc = subprocess.run(
         [str(VENV_PY), "-c", _REFERENCE, str(MODEL), str(max_tokens)],
-        input=json.dumps(prompts),
+        input=json.dumps(items),
         capture_output=True,
         text=True,
         timeout=600,
@@ -443,8 +488,7 @@ def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, Reference]
     )
     if proc.returncode != 0:
         raise RuntimeError(f"reference run failed:\n{tail(proc.stderr)}")
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {prompt: Reference(r["text"], [int(i) for i in r["ids"]]) for prompt, r in found.items()}
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -466,15 +510,35 @@ P_BLOCKS = 48  # P's KV cache (blocks of 32 tokens): small, so other requests re
 D_SEQS = 2  # D's sequence slots: two fillers keep a request waiting in D's queue
 FILLER_TOKENS = D_MAX_MODEL_LEN - 64  # a filler's most: it is held, then cancelled, long before
 MAX_TOKENS = 16
+#: Turn 1 of the multi-turn scenario: long enough that the turn-2 producer's READ of it clears
+#: vLLM's ``kv_recompute_threshold`` (64 tokens: fewer are recomputed, not read).
+TURN1 = "def turn_one(values):\n" + "".join(f"    values.append({i} * {i})\n" for i in range(12)) + "    return"
 PROMPTS = {
     "happy": "def happy_path(x):\n    return",
     "mixed": "class MixedFleet:\n    def __init__(self):",
     "overload": "def overloaded_decoder(queue):\n    for item in",
     "stale": "def lease_victim(x): return x * 2",
     "killed": "import os\nclass DeadDecoder:",
+    "push": "def pushed_by_the_producer(x):\n    return",
+    "turn1": TURN1,
 }
 ROUTES = ("p_stock->d_stock", "p_kv->d_kv", "p_kv->d_stock", "p_stock->d_kv")
 PAIRS = (("p_stock", "d_stock"), ("p_kv", "d_kv"))
+#: The transfer modes a fleet runs: pull (vLLM's default: D READs P's blocks), push (P WRITEs
+#: into blocks D registered: ``NixlPushConnector``), and bidirectional (multi-turn: turn 1's
+#: decoder keeps its blocks for the next turn's producer to READ back). Each: the connector's
+#: name, its extra config, and its scenario prompts (the modes' fleets run the two straight pairs
+#: only: vLLM's push and bidirectional paths are stated for like-configured pairs).
+MODES: dict[str, tuple[str, dict[str, Any]]] = {
+    "pull": ("NixlConnector", {}),
+    "push": ("NixlPushConnector", {}),
+    "bidirectional": ("NixlConnector", {"bidirectional_kv_xfer": True}),
+}
+MODE_PROMPTS = {"push": ("push",), "bidirectional": ("turn1",)}
+#: Turn 1's answer, tokens: more than vLLM's ``kv_recompute_threshold`` (64) past what the
+#: producer still holds of turn 1 (its prompt, which it prefilled), so turn 2's producer reads it;
+#: and the new tokens turn 2 adds.
+TURN1_TOKENS, TURN2_MORE = 96, 20
 
 
 def prompt(kind: str, route: str) -> str:
@@ -487,21 +551,40 @@ class Fleet:
     (``p_kv``, ``d_kv``), one router that pairs any P with any D (mixed fleets included), one
     client, and every scenario prompt's reference completion."""
 
-    def __init__(self, workdir: Path, lease: float) -> None:
+    def __init__(self, workdir: Path, lease: float, *, unprotected: bool = False, mode: str = "pull") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode: one of {', '.join(MODES)}, not {mode!r}")
         self.workdir = workdir
         self.lease = lease
+        self.mode = mode
+        #: The routes this fleet serves: any P with any D in pull mode (mixed fleets), the two
+        #: straight pairs otherwise.
+        self.routes = ROUTES if mode == "pull" else tuple(f"{p}->{d}" for p, d in PAIRS)
+        #: kvlease's decoder READs without consulting its leases (the bench shim's switch): the
+        #: demonstration that its stale-read check is what keeps the wrong KV out.
+        self.unprotected = unprotected
         self.servers: dict[str, Server] = {}
         self.router: Router | None = None
         self.client: Client | None = None
         self.reference: dict[str, Reference] = {}
+        self.conversations: dict[str, Conversation] = {}  # bidirectional mode's
         self.decode_rate = 0.0  # tokens per second of one request on D, measured at start
         self.startup_s = 0.0
         self.warmup: dict[str, int] = {}  # route -> HTTP status of its first-contact completion
 
     def start(self) -> None:
+        name, extra = MODES[self.mode]
+        pull = self.mode == "pull"
         for connector, suffix in ((STOCK, "stock"), (KVLEASE, "kv")):
             self.servers[f"p_{suffix}"] = start_server(
-                f"p_{suffix}", connector, PRODUCER, self.workdir, lease=self.lease, blocks=P_BLOCKS
+                f"p_{suffix}",
+                connector,
+                PRODUCER,
+                self.workdir,
+                lease=self.lease,
+                blocks=P_BLOCKS,
+                extra=extra,
+                connector_name=name,
             )
             self.servers[f"d_{suffix}"] = start_server(
                 f"d_{suffix}",
@@ -510,11 +593,20 @@ class Fleet:
                 self.workdir,
                 lease=self.lease,
                 max_num_seqs=D_SEQS,
-                max_model_len=D_MAX_MODEL_LEN,
+                max_model_len=D_MAX_MODEL_LEN if pull else MAX_MODEL_LEN,  # fillers: pull's scenarios only
+                env={"KVLEASE_BENCH_UNPROTECTED_READS": "1"} if self.unprotected and connector == KVLEASE else None,
+                extra=extra,
+                connector_name=name,
             )
         started = time.monotonic()
-        prompts = [prompt(kind, route) for kind in PROMPTS for route in ROUTES]
-        self.reference = reference_texts(prompts, MAX_TOKENS)  # while the servers start
+        modes = {kind for kinds in MODE_PROMPTS.values() for kind in kinds}
+        kinds = [k for k in PROMPTS if k not in modes] if pull else list(MODE_PROMPTS[self.mode])
+        prompts = [prompt(kind, route) for kind in kinds for route in self.routes]
+        # While the servers start:
+        if self.mode == "bidirectional":
+            self.conversations = conversations(prompts, MAX_TOKENS)
+        else:
+            self.reference = reference_texts(prompts, MAX_TOKENS)
         wait_healthy(list(self.servers.values()))
         self.startup_s = time.monotonic() - started
         s = self.servers
@@ -526,7 +618,7 @@ class Fleet:
         # first READ (a failed load, recomputed), where stock vLLM's lazy expiry happens to let
         # it through. What each warm-up did is kept in `warmup`.
         warm = {}
-        for route in ROUTES:
+        for route in self.routes:
             p, d = route.split("->")
             warm[route] = self.complete(p, d, f"warm up {route}")
         self.warmup = {route: future.result(timeout=900)["status"] for route, future in warm.items()}
@@ -543,12 +635,24 @@ class Fleet:
         for server in self.servers.values():
             server.stop()
 
-    def complete(self, p: str, d: str, text: str) -> Future[dict[str, Any]]:
-        """A completion through the router, from P `p` to D `d`, with its token ids."""
+    def complete(
+        self,
+        p: str,
+        d: str,
+        text: str | list[int],
+        *,
+        kv_transfer_params: dict[str, Any] | None = None,
+        max_tokens: int = MAX_TOKENS,
+    ) -> Future[dict[str, Any]]:
+        """A completion through the router, from P `p` to D `d`, with its token ids (the prompt's
+        too). `kv_transfer_params`: what the previous turn's answer carried (multi-turn), for the
+        router to hand P."""
         assert self.client is not None and self.router is not None
         headers = {"x-kvlease-prefill": p, "x-kvlease-decode": d}
-        body = {"return_token_ids": True}
-        return self.client.submit(self.router.base_url, text, MAX_TOKENS, headers=headers, extra_body=body)
+        body: dict[str, Any] = {"return_token_ids": True}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        return self.client.submit(self.router.base_url, text, max_tokens, headers=headers, extra_body=body)
 
     def fill(self, *decoders: str) -> list[Held]:
         """Occupy every sequence slot of each decoder with a held request (direct, streamed,
@@ -702,15 +806,19 @@ def decoder_killed(f: Fleet) -> dict[str, float | None]:
     return freed
 
 
-def demo(lease: float) -> int:
-    """Both pairs, the stale read and the decoder crash, the texts side by side."""
+def demo(lease: float, *, switch_off_protection: bool = False) -> int:
+    """Both pairs, the stale read and the decoder crash, the texts side by side. With
+    `switch_off_protection`, kvlease's decoder READs without consulting its leases (the bench
+    shim): its pair then serves what stock does, and the demo exits 1."""
     problem = missing_environment()
     if problem is not None:
         print(f"vllm-demo: {problem}")
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="kvlease-vllm-demo-"))
-    f = Fleet(workdir, lease)
+    f = Fleet(workdir, lease, unprotected=switch_off_protection)
     print(f"starting a stock vLLM pair and a kvlease pair (4 x vllm serve, lease {lease:g} s) ...", flush=True)
+    if switch_off_protection:
+        print("kvlease's stale-read protection is SWITCHED OFF: its decoder reads without asking its lease", flush=True)
     try:
         f.start()
         print(f"healthy after {f.startup_s:.0f} s; logs in {workdir}\n", flush=True)
@@ -745,4 +853,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="kvlease against stock vLLM in real vllm serve pairs")
     ap.add_argument("command", choices=["demo"])
     ap.add_argument("--lease", type=float, default=8.0, help="kv_lease_duration of every server, seconds")
-    sys.exit(demo(ap.parse_args().lease))
+    ap.add_argument(
+        "--switch-off-protection",
+        action="store_true",
+        help="kvlease's decoder reads without consulting its leases (engines/vllm/shims): "
+        "shows the stale read it prevents",
+    )
+    args = ap.parse_args()
+    sys.exit(demo(args.lease, switch_off_protection=args.switch_off_protection))

@@ -9,8 +9,10 @@ own, answering with one JSON line each on stdout::
     -> {"id": "v1", "status": 200, "text": "...", "error": null, "elapsed": 1.2, "ttft": 0.4}
 
 ``status`` is the HTTP status (0 when no answer came), ``ttft`` the time to the first streamed
-token (streamed requests only), ``token_ids`` the completion's tokens when the request asked
-vLLM for them (``"extra_body": {"return_token_ids": true}``). Greedy (``temperature=0``) always.
+token (streamed requests only), ``token_ids`` and ``prompt_token_ids`` the completion's and the
+prompt's tokens when the request asked vLLM for them (``"extra_body": {"return_token_ids": true}``),
+``kv_transfer_params`` what the server's answer carried (multi-turn: the next turn's producer reads
+the decoder's blocks with them). ``prompt`` is text or token ids. Greedy (``temperature=0``) always.
 
 A request with ``"hold": true`` is streamed and runs until the server ends it or a line
 ``{"cancel": "v1"}`` arrives; the client then closes the stream, which makes vLLM abort the
@@ -75,7 +77,14 @@ def complete(req: dict[str, Any]) -> dict[str, Any]:
         else:
             answer = client(req["base_url"]).completions.create(**kwargs)
             choice = answer.choices[0]
-            out.update(status=200, text=choice.text, token_ids=(choice.model_extra or {}).get("token_ids"))
+            extra = choice.model_extra or {}
+            out.update(
+                status=200,
+                text=choice.text,
+                token_ids=extra.get("token_ids"),
+                prompt_token_ids=extra.get("prompt_token_ids"),
+                kv_transfer_params=(answer.model_extra or {}).get("kv_transfer_params"),
+            )
     except openai.APIStatusError as e:
         out.update(status=e.status_code, error=str(e)[:500])
     except openai.APIError as e:

@@ -8,7 +8,11 @@ vLLM P/D router does (vLLM's own example proxy, llm-d, production gateways); the
 own because vLLM's example proxy is in vLLM's source tree, not in the wheel the suite installs,
 and because the suite must choose the P and D of each request to build mixed fleets: the headers
 ``x-kvlease-prefill`` and ``x-kvlease-decode`` name them (round robin otherwise). It forwards
-``kv_transfer_params`` as JSON it does not interpret, as routers do.
+``kv_transfer_params`` as JSON it does not interpret, as routers do: a request that carries some
+(a conversation's next turn, with what the previous turn's decoder answered) hands them to the
+prefill server instead of the plain remote-decode request (bidirectional KV transfer: P reads the
+decoder's blocks back). Push mode (``NixlPushConnector``) needs nothing else: D gets P's
+coordinates in the ``kv_transfer_params`` P returned, registers its blocks, and P writes them.
 
     python engines/vllm/router.py --port 8000 --prefill p=http://127.0.0.1:8100 \\
         --decode d=http://127.0.0.1:8200
@@ -80,7 +84,11 @@ class Router:
         rid = request.headers.get("x-request-id") or str(uuid.uuid4())
         headers = {"X-Request-Id": rid}
         prefill = copy.deepcopy(body)
-        prefill.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_PARAMS))
+        # A conversation's next turn carries what the last decoder's answer returned (its blocks,
+        # which the producer reads back under bidirectional KV transfer): P gets those as they
+        # are; a first turn gets the plain remote-decode request.
+        turn = body.get("kv_transfer_params")
+        prefill.update(max_tokens=1, stream=False, kv_transfer_params=turn or dict(PREFILL_PARAMS))
         for key in ("min_tokens", "stream_options", "max_completion_tokens"):
             prefill.pop(key, None)
         async with self.session.post(self.prefills[p_name] + "/v1/completions", json=prefill, headers=headers) as r:

@@ -29,3 +29,55 @@ if hasattr(os, "sched_setaffinity"):
         _pin(pid, mask)  # type: ignore[arg-type]
 
     os.sched_setaffinity = _keep_every_core
+
+
+# -- kvlease's stale-read protection switched off (a demonstration, never a deployment) ----------
+#
+# With KVLEASE_BENCH_UNPROTECTED_READS=1 in a kvlease decoder's environment, its worker READs
+# every request's blocks the way stock vLLM does, without asking its lease (no refusal of a lost
+# lease, no verdict on the READ): what the stale-read scenario serves then shows that kvlease's
+# check, and nothing else in the bench, is what keeps another request's KV out of the completion
+# (`python tools/vllm_pd.py demo --switch-off-protection`).
+if os.environ.get("KVLEASE_BENCH_UNPROTECTED_READS") == "1":
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    from types import ModuleType
+
+    _TARGET = "kvlease.adapters.vllm.connector"
+
+    def _unprotect(module: ModuleType) -> None:
+        worker = module.KvleasePullWorker
+
+        def _read_as_stock(self: object, req_id: str, meta: object) -> None:
+            super(worker, self)._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
+
+        worker._read_blocks_for_req = _read_as_stock
+        print("kvlease bench shim: this decoder's READs do not consult their leases", file=sys.stderr, flush=True)
+
+    class _Loader(importlib.abc.Loader):
+        def __init__(self, inner: importlib.abc.Loader) -> None:
+            self.inner = inner
+
+        def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+            return self.inner.create_module(spec)
+
+        def exec_module(self, module: ModuleType) -> None:
+            self.inner.exec_module(module)
+            _unprotect(module)
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+            if name != _TARGET:
+                return None
+            sys.meta_path.remove(self)
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(0, self)
+            if spec is None or spec.loader is None:
+                return spec
+            spec.loader = _Loader(spec.loader)
+            return spec
+
+    sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,137 @@
+"""Push mode and multi-turn (bidirectional) KV transfer inside real `vllm serve` pairs, stock vLLM
+beside kvlease, from an OpenAI client through the router.
+
+Two fleets, one after the other (each a stock pair and a kvlease pair of real ``vllm serve``
+processes, tools/vllm_pd.py, started once for its class): push mode (``NixlPushConnector``: D
+registers its blocks with P, P WRITEs into them; kvlease's push lease has D as the pinner and P
+as the accessor), and bidirectional transfer (``bidirectional_kv_xfer``: turn 1's decoder keeps
+its blocks, and the next turn's producer READs them back under kvlease's fixed-TTL lease, then
+prefills only what is new). Every completion is compared, token for token, with the prompt's
+reference computed by ``transformers`` alone; what an operator sees is read from each server's
+``/metrics``. docs/vllm-serve.md explains them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import vllm_pd as pd
+
+pytestmark = pytest.mark.slow
+
+LEASE = float(os.environ.get("KVLEASE_SERVE_LEASE", "20"))
+
+
+def start_fleet(mode: str) -> Iterator[pd.Fleet]:
+    problem = pd.missing_environment()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    workdir = Path(tempfile.mkdtemp(prefix=f"kvlease-serve-{mode}-"))
+    f = pd.Fleet(workdir, LEASE, mode=mode)
+    try:
+        f.start()
+        print(f"\n{mode} fleet healthy after {f.startup_s:.0f} s; warm-up {f.warmup}")
+        yield f
+    finally:
+        f.stop()
+        if os.environ.get("KVLEASE_KEEP_LOGS"):
+            print(f"\nserver logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="class")
+def push_fleet() -> Iterator[pd.Fleet]:
+    yield from start_fleet("push")
+
+
+@pytest.fixture(scope="class")
+def multiturn_fleet() -> Iterator[pd.Fleet]:
+    yield from start_fleet("bidirectional")
+
+
+class TestPushMode:
+    def test_the_producer_writes_the_reference_kv_into_the_decoders_blocks(self, push_fleet: pd.Fleet) -> None:
+        fleet = push_fleet
+        posted0 = fleet.metric("p_kv", "vllm:kvlease_push_writes_posted_total")
+        done0 = fleet.metric("p_kv", "vllm:kvlease_accesses_completed_total")
+        completed0 = fleet.metric("d_kv", "vllm:kvlease_leases_completed_total")
+        for p, d in pd.PAIRS:
+            text = pd.prompt("push", f"{p}->{d}")
+            hits0 = fleet.metric(d, "vllm:external_prefix_cache_hits_total")
+            failed0 = fleet.metric(d, "vllm:nixl_num_failed_transfers_total")
+            answer = fleet.complete(p, d, text).result(timeout=600)
+            assert answer["status"] == 200, (answer, fleet.logs(p, d))
+            assert fleet.reference[text].matches(answer), (p, d, answer["text"], fleet.reference[text])
+            assert answer["kv_transfer_params"] is None or not answer["kv_transfer_params"].get("do_remote_decode")
+            # The prompt's KV came from P's WRITE, not from a prefill on D.
+            assert fleet.metric(d, "vllm:external_prefix_cache_hits_total") > hits0, "the prompt was recomputed on D"
+            assert fleet.metric(d, "vllm:nixl_num_failed_transfers_total") == failed0
+        # kvlease's producer wrote under the decoder's push lease, and its write-done ended that
+        # lease on D (D frees nothing of a push another request's WRITE may still land in).
+        pd.wait_until(
+            lambda: fleet.metric("d_kv", "vllm:kvlease_leases_completed_total") > completed0,
+            30,
+            "D's push lease ended by P's write-done, in vLLM's metrics",
+        )
+        assert fleet.metric("p_kv", "vllm:kvlease_push_writes_posted_total") > posted0
+        assert fleet.metric("p_kv", "vllm:kvlease_push_writes_refused_total") == 0
+        assert fleet.metric("p_kv", "vllm:kvlease_push_writes_dropped_total") == 0
+        assert fleet.metric("p_kv", "vllm:kvlease_accesses_completed_total") > done0
+        assert fleet.metric("d_kv", "vllm:kvlease_leases_lost_total") == 0
+        # Stock vLLM's producer exports none of kvlease's counters: the two pairs are what they say.
+        assert "vllm:kvlease_push_writes_posted_total" not in fleet.servers["p_stock"].metrics()
+
+
+class TestMultiTurn:
+    def test_turn2s_producer_reads_turn1s_decoder_blocks_back(self, multiturn_fleet: pd.Fleet) -> None:
+        fleet = multiturn_fleet
+        completed0 = fleet.metric("d_kv", "vllm:kvlease_leases_completed_total")
+        done0 = fleet.metric("p_kv", "vllm:kvlease_accesses_completed_total")
+        for p, d in pd.PAIRS:
+            # Turn 1's answer is long: P still holds turn 1's prompt in its own prefix cache (it
+            # prefilled it), so what it reads back from D is the answer's KV, and vLLM reads no
+            # fewer than ``kv_recompute_threshold`` (64) tokens (fewer are recomputed).
+            text = pd.prompt("turn1", f"{p}->{d}")
+            conversation = fleet.conversations[text]
+            turn1 = fleet.complete(p, d, text, max_tokens=pd.TURN1_TOKENS).result(timeout=600)
+            assert turn1["status"] == 200, (turn1, fleet.logs(p, d))
+            assert conversation.turn1.matches(turn1), (p, d, turn1["text"], conversation.turn1)
+            # D kept turn 1's blocks for the next turn, and said where they are.
+            back = turn1["kv_transfer_params"]
+            assert back and back["do_remote_decode"] and back["remote_block_ids"], back
+            if p == "p_kv":
+                assert back["kvlease"]["kind"] == 1, back  # a fixed-TTL lease on D's blocks
+            # Turn 2: the conversation so far plus the user's next words, as token ids (a client
+            # sends back exactly the tokens it was served).
+            more = turn1["prompt_token_ids"][1 : 1 + pd.TURN2_MORE]
+            ids = [*turn1["prompt_token_ids"], *turn1["token_ids"], *more]
+            assert ids == conversation.turn2_ids  # what the reference's turn 2 is
+            reference = conversation.turn2
+            hits0 = fleet.metric(p, "vllm:external_prefix_cache_hits_total")
+            reads0 = fleet.metric(p, "vllm:nixl_xfer_time_seconds_count")
+            turn2 = fleet.complete(p, d, ids, kv_transfer_params=back).result(timeout=600)
+            assert turn2["status"] == 200, (turn2, fleet.logs(p, d))
+            assert reference.matches(turn2), (p, d, turn2["text"], reference)
+            # P read turn 1's KV back from D instead of prefilling it again.
+            assert fleet.metric(p, "vllm:external_prefix_cache_hits_total") > hits0, "P recomputed turn 1"
+            assert fleet.metric(p, "vllm:nixl_xfer_time_seconds_count") > reads0
+        # kvlease: P's READ of D's blocks was proven inside D's fixed-TTL lease, and its
+        # read-done freed them on D at once (not after vLLM's 480 s ``decoder_kv_blocks_ttl``).
+        pd.wait_until(
+            lambda: fleet.metric("d_kv", "vllm:kvlease_leases_completed_total") > completed0,
+            30,
+            "D's fixed-TTL lease ended by P's read-done, in vLLM's metrics",
+        )
+        assert fleet.metric("p_kv", "vllm:kvlease_accesses_completed_total") > done0
+        assert fleet.metric("p_kv", "vllm:kvlease_stale_reads_caught_total") == 0
