@@ -21,6 +21,9 @@ from typing import Any
 
 import pytest
 from _vllm_helpers import Node, PortTaken, require_vllm_env, settled_stats
+from kvlease.adapters.vllm._transport import PRODUCER_KEY, producer_claim
+
+from kvlease import FrameAuth
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +89,11 @@ def pair() -> Iterator[dict[str, Node]]:
             n.close()
 
 
-def _register(p: Node, d: Node, rid: str) -> None:
+def _register(p: Node, d: Node, rid: str, *, claim: dict[str, Any] | None = None) -> None:
     """D takes `rid` for decode with P's coordinates (as a push router does): D allocates the
-    destination blocks and registers them with P."""
-    params = {
+    destination blocks and registers them with P. `claim`: what a kvlease producer's returned
+    params add (`producer_claim`)."""
+    params: dict[str, Any] = {
         "do_remote_prefill": True,
         "remote_engine_id": p.name,
         "remote_request_id": rid,
@@ -97,6 +101,8 @@ def _register(p: Node, d: Node, rid: str) -> None:
         "remote_port": p.port,
         "tp_size": 1,
     }
+    if claim is not None:
+        params[PRODUCER_KEY] = claim
     d.send(op="decode", id=rid, params=params)
     d.wait("added", 30, id=rid)
 
@@ -369,6 +375,38 @@ def test_kvlease_decoder_with_a_stock_push_producer(pair: dict[str, Node]) -> No
     assert done["failed"] is False and done["match"] is True
     log = d.log_path.read_text(errors="replace")
     assert log.count("never answered the push lease") == 1, "the fallback is logged once per stock producer"
+
+
+def test_a_producer_claiming_kvlease_is_never_taken_for_stock_vllm(pair: dict[str, Node]) -> None:
+    """A kvlease producer's first lease message can come later than the lease: a loaded producer
+    (seen in a real ``vllm serve`` push pair at a load average of 40, where the decoder then took
+    the kvlease producer for stock vLLM and waited for a WRITE that never came). The params a
+    kvlease producer returns claim, sealed under the deployment key to it and the request, that
+    it runs kvlease: D then ends the expired push lease as a failed load (recomputed), as for any
+    kvlease producer, instead of keeping the blocks for a stock WRITE. Here the claim names a
+    producer D has not heard from in this process's lifetime of the lease (P2, blocked past the
+    lease); the same claim moved to another request is not believed (tests/test_vllm_transport.py
+    covers each way a claim fails)."""
+    p2, d = pair["P2"], pair["D"]
+    auth = FrameAuth([bytes.fromhex(os.environ[KEY_ENV])])
+    _block_p(p2, "c1")
+    _register(p2, d, "c1", claim=producer_claim(auth, p2.name, "c1"))
+    p2.send(op="prefill", id="c1")
+    done = d.wait("recv_done", D + G + 4 * SLACK + 10, id="c1")  # at expiry + G, not at P2's WRITE
+    assert done["failed"] is True, "D waited for the producer's WRITE past the lease"
+    again = d.wait("scheduled", 60, id="c1")
+    assert again["num_computed_tokens"] == 0, "the prompt is recomputed locally"
+    p2.send(op="abort", id="c1")  # P2's prefill, never written: D gave the blocks back
+    _unblock_p(p2, "c1")
+    # A claim that is not the producer's for this request counts for nothing (the stock fallback).
+    _block_p(p2, "c2")
+    _register(p2, d, "c2", claim=producer_claim(auth, p2.name, "c1"))
+    p2.send(op="prefill", id="c2")
+    time.sleep(D + G + 2 * SLACK)
+    assert not d.seen("recv_done", id="c2"), "D gave up the blocks a stock producer may still WRITE"
+    _unblock_p(p2, "c2")
+    done = d.wait("recv_done", 60, id="c2")
+    assert done["failed"] is False and done["match"] is True
 
 
 def test_decoder_frees_a_dead_producers_destination_blocks_within_the_bound(pair: dict[str, Node]) -> None:

@@ -7,8 +7,16 @@ from typing import Any
 
 import msgpack
 import pytest
-from kvlease.adapters.vllm._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
+from kvlease.adapters.vllm._transport import (
+    HELLO_MAGIC,
+    ConnectorTransport,
+    NotifSwap,
+    producer_claim,
+    verify_producer_claim,
+)
 from kvlease.transports import HandshakeFailed, HandshakeRequest, Inbound, PeerUnreachable, TransferResult
+
+from kvlease import PROTOCOL_VERSION, FrameAuth
 
 
 class Agent:
@@ -177,3 +185,34 @@ def test_notif_swap_attaches_each_remote_ranks_own_access_done() -> None:
     table["one"] = {3: b"done-3"}
     swap.make_prepped_xfer("READ", 1, [0], 2, [0], notif_msg=b"one:2")
     assert agent.posted[-1] == b"done-3"
+
+
+# -- a push producer's claim to run kvlease (in the params it returns) ---------------------------
+
+
+def test_a_producer_claim_without_a_key_says_the_wire_version() -> None:
+    params = {"remote_engine_id": "P", "remote_request_id": "r1"}
+    claim = producer_claim(None, "P", "r1")
+    assert claim == {"v": PROTOCOL_VERSION}
+    assert verify_producer_claim(None, params, claim)
+    assert not verify_producer_claim(None, params, {"v": PROTOCOL_VERSION - 1})  # another version
+    assert not verify_producer_claim(None, params, None)
+    assert not verify_producer_claim(None, params, "3")
+
+
+def test_a_producer_claim_under_a_key_counts_only_for_its_producer_and_request() -> None:
+    """Believing a forged claim about a stock producer would make the decoder free blocks that
+    producer may still WRITE: under a key only the producer's own sealed claim counts."""
+    key = FrameAuth([bytes(range(32))])
+    params = {"remote_engine_id": "P", "remote_request_id": "r1"}
+    claim = producer_claim(key, "P", "r1")
+    assert verify_producer_claim(key, params, claim)
+    rotated = FrameAuth([bytes(range(1, 33)), bytes(range(32))])  # a rotation: the old key still opens
+    assert verify_producer_claim(rotated, params, claim)
+    assert not verify_producer_claim(key, params, {"v": PROTOCOL_VERSION})  # unsealed
+    assert not verify_producer_claim(key, {**params, "remote_request_id": "r2"}, claim)  # moved
+    assert not verify_producer_claim(key, {**params, "remote_engine_id": "P2"}, claim)  # another producer
+    assert not verify_producer_claim(FrameAuth([bytes(32)]), params, claim)  # another key
+    assert not verify_producer_claim(key, params, {**claim, "tag": "zz"})
+    assert not verify_producer_claim(key, params, {**claim, "tag": 7})
+    assert not verify_producer_claim(key, {"remote_engine_id": "P"}, claim)  # no request named

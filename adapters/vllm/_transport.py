@@ -41,7 +41,9 @@ from kvlease.transports import (
     TransferResult,
 )
 
-__all__ = ["HELLO_MAGIC", "ConnectorTransport", "NotifSwap"]
+from kvlease import PROTOCOL_VERSION, FrameAuth
+
+__all__ = ["HELLO_MAGIC", "PRODUCER_KEY", "ConnectorTransport", "NotifSwap", "producer_claim", "verify_producer_claim"]
 
 log = logging.getLogger("kvlease.adapters.vllm")
 
@@ -49,6 +51,46 @@ log = logging.getLogger("kvlease.adapters.vllm")
 #: or a kvlease frame, so it is never mistaken for a vLLM notification or a native message.
 HELLO_MAGIC: Final = b"\xc1\x4bH"
 _MAX_HELLO: Final = 1 << 20
+
+
+#: The key of a kvlease push producer's claim in the ``kv_transfer_params`` it returns
+#: (`producer_claim`).
+PRODUCER_KEY: Final = "kvlease_producer"
+
+
+def _claim_payload(engine_id: str, request_id: str) -> bytes:
+    return b"push-producer\0" + bytes(msgpack.packb([engine_id, request_id]))
+
+
+def producer_claim(auth: FrameAuth | None, engine_id: str, request_id: str) -> dict[str, Any]:
+    """What a kvlease push producer adds to the ``kv_transfer_params`` it returns for
+    `request_id`: that it runs kvlease (the wire version), sealed under a deployment key to its
+    engine and that request. The decoder then never takes it for stock vLLM, whose WRITE it would
+    wait for past the lease, when the producer's first lease message comes late (a loaded
+    producer). Stripped on the way, the decoder judges as without it."""
+    claim: dict[str, Any] = {"v": PROTOCOL_VERSION}
+    if auth is not None:
+        claim["tag"] = auth.message_tag(_claim_payload(engine_id, request_id)).hex()
+    return claim
+
+
+def verify_producer_claim(auth: FrameAuth | None, params: dict[str, Any], claim: object) -> bool:
+    """Whether `claim` (from the params a producer returned, `params`) says that producer runs
+    kvlease. Under a deployment key only a claim sealed to the producer engine and request those
+    params name counts: believing a forged one about a stock producer would make the decoder free
+    blocks that producer may still WRITE. Without a key the network is trusted (spec, section 7)."""
+    if not isinstance(claim, dict) or claim.get("v") != PROTOCOL_VERSION:
+        return False
+    if auth is None:
+        return True
+    tag, engine, request = claim.get("tag"), params.get("remote_engine_id"), params.get("remote_request_id")
+    if not (isinstance(tag, str) and isinstance(engine, str) and isinstance(request, str)):
+        return False
+    try:
+        raw = bytes.fromhex(tag)
+    except ValueError:
+        return False
+    return auth.check_message_tag(_claim_payload(engine, request), raw)
 
 
 def _text(name: object) -> str:

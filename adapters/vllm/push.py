@@ -108,7 +108,14 @@ from kvlease import (
 
 from ._metrics import KVLEASE_COUNTERS, PUSH_COUNTERS, KvleaseConnectorStats
 from ._settings import AdapterSettings, read_settings
-from ._transport import HELLO_MAGIC, ConnectorTransport, NotifSwap
+from ._transport import (
+    HELLO_MAGIC,
+    PRODUCER_KEY,
+    ConnectorTransport,
+    NotifSwap,
+    producer_claim,
+    verify_producer_claim,
+)
 from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase, check_at_start_up, transfer_bound_of
 
 if TYPE_CHECKING:
@@ -158,6 +165,9 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
         self._kv_leases: dict[str, int] = {}  # decoder request -> push lease id, until its load ends
         self._kv_releases: list[str] = []
         self._kv_src_grants: dict[str, int] = {}  # producer request -> source lease id (this step)
+        #: Registrations (this step) whose producer said in its returned params that it runs
+        #: kvlease (`PRODUCER_KEY`).
+        self._kv_push_native: list[str] = []
 
     # decoder: one push lease per registration, its ticket inside the registration
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -170,6 +180,9 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
         lease_id = self._kv_next_id
         self._kv_next_id += 1
         self._kv_push_grants[req_id] = lease_id
+        params = request.kv_transfer_params or {}
+        if verify_producer_claim(self._kv_auth, params, params.get(PRODUCER_KEY)):
+            self._kv_push_native.append(req_id)
         self._kv_leases[req_id] = lease_id
         ticket = LeaseTicket(
             engine_id=self.engine_id,
@@ -193,6 +206,10 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
             # Producer: P's source blocks go under a kvlease lease (renewed by D's `HB:`).
             self._kv_src_grants[request.request_id] = self._kv_next_id
             self._kv_next_id += 1
+        if result[1] is not None and result[1].get("do_remote_prefill"):
+            # Producer: the decoder learns from what P returns that P runs kvlease (and so never
+            # WRITEs outside the lease), before any lease message of P's can reach it.
+            result[1][PRODUCER_KEY] = producer_claim(self._kv_auth, self.engine_id, request.request_id)
         return result
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -207,8 +224,10 @@ class KvleasePushScheduler(NixlPushConnectorScheduler):  # type: ignore[misc]
             "push_grants": self._kv_push_grants,
             "push_releases": self._kv_releases,
             "src_grants": self._kv_src_grants,
+            "push_native": self._kv_push_native,
         }
         self._kv_push_grants, self._kv_releases, self._kv_src_grants = {}, [], {}
+        self._kv_push_native = []
         return meta
 
 
@@ -278,6 +297,9 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
         #: heartbeats the push lease nor honours it): vLLM's own completion path, no guarantee.
         self._kv_stock: set[str] = set()
         self._kv_warned: set[str] = set()
+        #: Granted requests whose producer said it runs kvlease: never taken for stock vLLM, even
+        #: when its first lease message comes later than the lease (a loaded producer).
+        self._kv_native: set[str] = set()
         # producer (accessor), shared with the writer thread (see the module docstring):
         #: Approved WRITEs: decoder request id -> valid_until snapshot (-inf: no longer covered).
         #: Published by the main thread only; a registration with a ticket is gated whether or
@@ -324,6 +346,7 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
             if kv.get("incarnation") != self._kv_incarnation:
                 raise RuntimeError("the kvlease scheduler's incarnation changed under a running worker")
             regs = getattr(metadata, "push_registrations", None) or {}
+            self._kv_native.update(r for r in kv.get("push_native", ()) if r in grants)
             for req_id, lease_id in grants.items():
                 # Granted before vLLM's writer sends the registration (queued just below).
                 driver.grant(req_id, lease_id=lease_id, push=True)
@@ -664,9 +687,12 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
                     self._kv_granted.discard(ev.key)
                     self._kv_lease_of.pop(ev.key, None)
                     producer = self._kv_producer_of.pop(ev.key, None)
+                    native = ev.key in self._kv_native
+                    self._kv_native.discard(ev.key)
                     if (
                         ev.reason is EndReason.EXPIRED
                         and producer is not None
+                        and not native
                         and producer not in self.kvlease_transport.accessor_engines()
                     ):
                         # The producer never said hello: stock vLLM, which neither heartbeats
