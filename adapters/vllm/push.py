@@ -34,7 +34,10 @@ WRITE that lands after D gave its blocks back corrupts another request. Here:
   stock P ignores the ticket: its ``"id:count"`` ends D's push lease through the compat codec;
   and since it never heartbeats, D, at the lease's expiry, checks whether that producer ever
   said hello: if not, D keeps the blocks (a stock P may still WRITE them) and falls back to
-  vLLM's own completion, logging once that it has no validity guarantee for that peer.
+  vLLM's own completion, logging once that it has no validity guarantee for that peer. A
+  kvlease P says so in the params it returns (``PRODUCER_KEY``, sealed under a deployment key
+  to P and the request): D never takes it for stock, however late its first lease message
+  (a loaded producer), and an expired push lease of it is a failed load.
 
 **Threads.** kvlease's core is single-threaded, vLLM's writer thread is not the engine's. The
 `Driver` (with the `Pinner` or `Accessor`) lives on the engine's main thread and is pumped from
