@@ -14,46 +14,18 @@ scenarios (``python tools/vllm_pd.py demo`` plays them); docs/vllm-serve.md expl
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import vllm_pd as pd
+from _vllm_serve_fleet import LEASE, pd, started_fleet
 
 pytestmark = pytest.mark.slow
-
-#: The lease of every server (``kv_lease_duration``, s): short, so the scenarios are quick, long
-#: enough for a loaded 2-core machine: a decoder busy decoding took 10 s to take a request in
-#: from the router at a load average of 30 (its tracking, hence its heartbeats, start then).
-LEASE = float(os.environ.get("KVLEASE_SERVE_LEASE", "20"))
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[pd.Fleet]:
-    problem = pd.missing_environment()
-    if problem is not None:
-        if os.environ.get("CI"):
-            pytest.fail(problem)
-        pytest.skip(problem)
-    workdir = Path(tempfile.mkdtemp(prefix="kvlease-serve-"))
-    f = pd.Fleet(workdir, LEASE)
-    try:
-        f.start()
-        print(f"\nfleet healthy after {f.startup_s:.0f} s; warm-up {f.warmup}; decode {f.decode_rate:.0f} tokens/s")
-        yield f
-    finally:
-        f.stop()
-        if os.environ.get("KVLEASE_KEEP_LOGS"):
-            print(f"\nserver logs kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+    yield from started_fleet()
 
 
 def test_happy_path_text_equals_reference_and_kv_came_over_nixl(fleet: pd.Fleet) -> None:

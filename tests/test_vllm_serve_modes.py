@@ -13,51 +13,22 @@ reference computed by ``transformers`` alone; what an operator sees is read from
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import vllm_pd as pd
+from _vllm_serve_fleet import pd, started_fleet
 
 pytestmark = pytest.mark.slow
-
-LEASE = float(os.environ.get("KVLEASE_SERVE_LEASE", "20"))
-
-
-def start_fleet(mode: str) -> Iterator[pd.Fleet]:
-    problem = pd.missing_environment()
-    if problem is not None:
-        if os.environ.get("CI"):
-            pytest.fail(problem)
-        pytest.skip(problem)
-    workdir = Path(tempfile.mkdtemp(prefix=f"kvlease-serve-{mode}-"))
-    f = pd.Fleet(workdir, LEASE, mode=mode)
-    try:
-        f.start()
-        print(f"\n{mode} fleet healthy after {f.startup_s:.0f} s; warm-up {f.warmup}")
-        yield f
-    finally:
-        f.stop()
-        if os.environ.get("KVLEASE_KEEP_LOGS"):
-            print(f"\nserver logs kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="class")
 def push_fleet() -> Iterator[pd.Fleet]:
-    yield from start_fleet("push")
+    yield from started_fleet("push")
 
 
 @pytest.fixture(scope="class")
 def multiturn_fleet() -> Iterator[pd.Fleet]:
-    yield from start_fleet("bidirectional")
+    yield from started_fleet("bidirectional")
 
 
 class TestPushMode:
