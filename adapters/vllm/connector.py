@@ -914,6 +914,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                     self._kv_failed.add(key)
                 elif self._kv_tickets.pop(key, None) is not None:
                     self._kv_lost.add(key)
+                    log.warning("kvlease: lease of %s lost before its READ (%s): the READ will be refused", key, ev)
         self._kv_record_stats(driver)
         return res
 
