@@ -14,11 +14,37 @@ reference computed by ``transformers`` alone; what an operator sees is read from
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
 
 import pytest
-from _vllm_serve_fleet import pd, started_fleet
+from _vllm_serve_fleet import LEASE, pd, started_fleet
 
 pytestmark = pytest.mark.slow
+
+#: How long the stock pair's request may take before it counts as hung, s. Stock vLLM can hang
+#: a request for good in both modes: in a run of this suite (2026-12-05) the stock push producer
+#: let its lease (`LEASE`) expire without writing ("Releasing expired KV blocks ... retrieved by 0
+#: remote worker(s)"), its decoder waited for the WRITE, gave the registration up after 480 s
+#: and still never answered. That is stock's outcome, reported; kvlease's pair gets 600 s and
+#: must answer right.
+STOCK_WAIT = 6 * LEASE + 120
+_STOCK_EXPIRED = "Releasing expired KV blocks"
+
+
+def served(fleet: pd.Fleet, p: str, d: str, future: Future[dict[str, Any]], expired0: int) -> dict[str, Any] | None:
+    """The pair's answer; for the stock pair, None (and why, printed) when it hung."""
+    if p != "p_stock":
+        return future.result(timeout=600)
+    try:
+        return future.result(timeout=STOCK_WAIT)
+    except TimeoutError:
+        expired = fleet.servers[p].log().count(_STOCK_EXPIRED) - expired0
+        print(
+            f"\nstock {p}->{d}: no answer in {STOCK_WAIT:.0f} s (stock vLLM's own hang, reported, not failed);"
+            f" P released {expired} request(s)' blocks as expired meanwhile\n{fleet.logs(p, d)}"
+        )
+        return None
 
 
 @pytest.fixture(scope="class")
@@ -41,7 +67,10 @@ class TestPushMode:
             text = pd.prompt("push", f"{p}->{d}")
             hits0 = fleet.metric(d, "vllm:external_prefix_cache_hits_total")
             failed0 = fleet.metric(d, "vllm:nixl_num_failed_transfers_total")
-            answer = fleet.complete(p, d, text).result(timeout=600)
+            expired0 = fleet.servers[p].log().count(_STOCK_EXPIRED)
+            answer = served(fleet, p, d, fleet.complete(p, d, text), expired0)
+            if answer is None:
+                continue
             assert answer["status"] == 200, (answer, fleet.logs(p, d))
             assert fleet.reference[text].matches(answer), (p, d, answer["text"], fleet.reference[text])
             assert answer["kv_transfer_params"] is None or not answer["kv_transfer_params"].get("do_remote_decode")
@@ -75,7 +104,10 @@ class TestMultiTurn:
             # fewer than ``kv_recompute_threshold`` (64) tokens (fewer are recomputed).
             text = pd.prompt("turn1", f"{p}->{d}")
             conversation = fleet.conversations[text]
-            turn1 = fleet.complete(p, d, text, max_tokens=pd.TURN1_TOKENS).result(timeout=600)
+            expired0 = fleet.servers[p].log().count(_STOCK_EXPIRED)
+            turn1 = served(fleet, p, d, fleet.complete(p, d, text, max_tokens=pd.TURN1_TOKENS), expired0)
+            if turn1 is None:
+                continue
             assert turn1["status"] == 200, (turn1, fleet.logs(p, d))
             assert conversation.turn1.matches(turn1), (p, d, turn1["text"], conversation.turn1)
             # D kept turn 1's blocks for the next turn, and said where they are.
@@ -91,7 +123,9 @@ class TestMultiTurn:
             reference = conversation.turn2
             hits0 = fleet.metric(p, "vllm:external_prefix_cache_hits_total")
             reads0 = fleet.metric(p, "vllm:nixl_xfer_time_seconds_count")
-            turn2 = fleet.complete(p, d, ids, kv_transfer_params=back).result(timeout=600)
+            turn2 = served(fleet, p, d, fleet.complete(p, d, ids, kv_transfer_params=back), expired0)
+            if turn2 is None:
+                continue
             assert turn2["status"] == 200, (turn2, fleet.logs(p, d))
             assert reference.matches(turn2), (p, d, turn2["text"], reference)
             # P read turn 1's KV back from D instead of prefilling it again.
