@@ -99,8 +99,7 @@ def main() -> None:
             client.close()
         if router is not None:
             router.stop()
-        for s in servers.values():
-            s.stop()
+        pd.stop_all(list(servers.values()))
         shutil.rmtree(workdir, ignore_errors=True)
 
     def med(stack: str, key: str) -> float:

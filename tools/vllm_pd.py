@@ -197,12 +197,22 @@ class Server:
             self.proc.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.alive():
-            self.thaw()
-            self.signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=30)
-        self.kill()
+        stop_all([self])
+
+
+def stop_all(servers: list[Server], grace: float = 30.0) -> None:
+    """SIGTERM every server at once, give them `grace` seconds together, then SIGKILL what is
+    left (one at a time, each vLLM server took up to 30 s to shut down: a fleet's teardown was
+    most of two minutes)."""
+    for server in servers:
+        if server.alive():
+            server.thaw()
+            server.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for server in servers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        server.kill()
 
 
 def bench_shims() -> dict[str, str]:
@@ -632,8 +642,7 @@ class Fleet:
             self.client.close()
         if self.router is not None:
             self.router.stop()
-        for server in self.servers.values():
-            server.stop()
+        stop_all(list(self.servers.values()))
 
     def complete(
         self,
