@@ -10,7 +10,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -31,12 +30,6 @@ def need_sglang() -> None:
     if os.environ.get("CI"):
         pytest.fail(msg)
     pytest.skip(msg)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Rank:

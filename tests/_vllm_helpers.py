@@ -6,9 +6,7 @@ import contextlib
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,23 +52,6 @@ def require_vllm_env() -> None:
         if os.environ.get("CI"):
             pytest.fail(problem)
         pytest.skip(problem)
-
-
-_PORTS = random.Random(os.getpid())
-
-
-def free_port() -> int:
-    """A port that is free now, chosen below the kernel's ephemeral range (32768 and up), so the
-    ephemeral ports that other processes' sockets take meanwhile do not collide with it."""
-    for _ in range(200):
-        port = _PORTS.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 32000)")
 
 
 class PortTaken(AssertionError):

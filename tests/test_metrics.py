@@ -8,7 +8,6 @@ the exporter's own contract (names, labels, a cumulative RTT histogram) over a s
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import urllib.request
 import pytest
 from kvlease.transports._stats import TransportStats
 from kvlease.transports.metrics import LeaseStatsCollector, start_http_server
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -27,13 +27,6 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, role: str) -> float | None:

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _sglang_helpers import ROOT, Rank, free_port, need_sglang
+from _sglang_helpers import ROOT, Rank, need_sglang
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 

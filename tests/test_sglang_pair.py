@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _sglang_helpers import ROOT, SGLANG_PY, free_port, need_sglang
+from _sglang_helpers import ROOT, SGLANG_PY, need_sglang
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -12,6 +12,8 @@ from kvlease.adapters.vllm._settings import (
     ADAPTER_KEYS,
     DEFAULT_MIN_BANDWIDTH,
     LEASE_KEYS,
+    SIDE_CHANNEL_ENV,
+    check_side_channel,
     check_transfer_bound,
     largest_access_bytes,
     read_settings,
@@ -197,3 +199,25 @@ def test_the_bandwidth_floor_is_a_positive_number() -> None:
         with pytest.raises(ConfigError) as info:
             read_settings({"kvlease_min_bandwidth": bad})
         assert info.value.field == "kvlease_min_bandwidth" and "bytes/s" in str(info.value)
+
+
+def test_a_taken_side_channel_port_fails_naming_the_setting() -> None:
+    """vLLM's handshake listener binds in a thread it waits for without a bound: a port another
+    process holds left a real server alive and never healthy for 900 s (CI, 2026-12-05).
+    kvlease's connectors check the port first and fail the start-up naming the variable."""
+    import zmq
+
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.ROUTER)  # held the way another vLLM server's listener holds it
+    port = holder.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(ConfigError, match=SIDE_CHANNEL_ENV) as caught:
+            check_side_channel("127.0.0.1", port)
+        assert caught.value.field == SIDE_CHANNEL_ENV and caught.value.value == port
+        assert "in use" in str(caught.value)
+    finally:
+        holder.close(linger=0)
+        ctx.term()
+    check_side_channel("127.0.0.1", port)  # free again: no complaint
+    with pytest.raises(ConfigError, match=SIDE_CHANNEL_ENV):
+        check_side_channel("192.0.2.1", port)  # an address this host does not have

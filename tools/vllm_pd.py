@@ -18,10 +18,9 @@ import contextlib
 import functools
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,22 +86,6 @@ def missing_environment() -> str | None:
     if not list((VENV_PY.parent.parent / "lib").glob("python3*/site-packages/vllm/_C.abi3.so")):
         return "vLLM's CPU kernels (vllm/_C.abi3.so) are missing from .venv-vllm: run engines/vllm/setup.sh"
     return None
-
-
-_PORTS = random.Random(os.getpid() ^ int(time.time()))
-
-
-def free_port() -> int:
-    """A port free now, below the ephemeral range (so sockets opened meanwhile do not take it)."""
-    for _ in range(500):
-        port = _PORTS.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in [20000, 32000)")
 
 
 def kv_transfer_config(
@@ -158,10 +142,29 @@ class Server:
     log_path: Path
     proc: subprocess.Popen[bytes]
     lease: float
+    #: `start_server`'s arguments, for `respawn`.
+    spec: dict[str, Any] = attrs.field(factory=dict)
+    #: How many times `wait_healthy` restarted it on new ports.
+    respawns: int = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def port_taken(self) -> bool:
+        """Whether its log says a port it binds was taken. vLLM's NIXL side-channel listener binds
+        in a thread, and a failed bind leaves the server waiting for that thread for good: alive,
+        never healthy (the CI of 2026-12-05 waited 900 s on such a decoder)."""
+        return "address already in use" in self.log().lower()
+
+    def respawn(self) -> None:
+        """Kill it and start it again on new ports (its old log kept beside the new one)."""
+        self.kill()
+        self.respawns += 1
+        with contextlib.suppress(OSError):
+            self.log_path.rename(self.log_path.with_suffix(f".log.{self.respawns}"))
+        again = start_server(**self.spec)
+        self.port, self.log_path, self.proc = again.port, again.log_path, again.proc
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -258,26 +261,42 @@ def start_server(
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
-    return Server(name, connector, role, port, log_path, proc, lease)
+    spec = {
+        "name": name, "connector": connector, "role": role, "workdir": workdir, "lease": lease,
+        "blocks": blocks, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+        "extra": extra, "env": env, "connector_name": connector_name,
+    }  # fmt: skip
+    return Server(name, connector, role, port, log_path, proc, lease, spec)
 
 
 def tail(text: str, n: int = 25) -> str:
     return "\n".join(text.splitlines()[-n:])
 
 
+#: How many times `wait_healthy` restarts a server whose port was taken.
+RESPAWNS = 2
+
+
 def wait_healthy(servers: list[Server], timeout: float = 900.0) -> float:
-    """Wait until every server answers /health; seconds waited. A server that dies fails at once,
-    with its log's tail."""
+    """Wait until every server answers /health; seconds waited. A server whose port was taken
+    while it started is restarted on new ports (said on stderr; `RESPAWNS` times at most, each
+    with the whole `timeout`); one that dies otherwise fails at once, with its log's tail, and so
+    does one not healthy in time."""
     start = time.monotonic()
     pending = list(servers)
     while pending:
         for s in list(pending):
-            if not s.alive():
-                raise RuntimeError(f"{s.name} exited with {s.proc.returncode} while starting:\n{tail(s.log())}")
             if s.healthy():
                 pending.remove(s)
+            elif s.port_taken() and s.respawns < RESPAWNS:
+                print(f"{s.name}: a port it binds was taken while it started; restarted on new ports", file=sys.stderr)
+                s.respawn()
+                start = time.monotonic()
+            elif not s.alive():
+                raise RuntimeError(f"{s.name} exited with {s.proc.returncode} while starting:\n{tail(s.log())}")
         if time.monotonic() - start > timeout:
-            raise RuntimeError(f"not healthy after {timeout:.0f} s: {[s.name for s in pending]}")
+            tails = "\n".join(f"--- {s.name} ({s.log_path}):\n{tail(s.log())}" for s in pending)
+            raise RuntimeError(f"not healthy after {timeout:.0f} s: {[s.name for s in pending]}\n{tails}")
         if pending:
             time.sleep(2)
     return time.monotonic() - start

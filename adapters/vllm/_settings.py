@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import socket
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -209,3 +210,29 @@ def read_settings(extra: Mapping[str, Any] | None) -> AdapterSettings:
         None if transfer_timeout is None else _positive("kvlease_transfer_timeout", transfer_timeout),
         DEFAULT_MIN_BANDWIDTH if bandwidth is None else _positive("kvlease_min_bandwidth", bandwidth, "bytes/s"),
     )
+
+
+#: The environment variable vLLM reads the NIXL handshake listener's port from.
+SIDE_CHANNEL_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+def check_side_channel(host: str, port: int) -> None:
+    """Raise `ConfigError` naming ``VLLM_NIXL_SIDE_CHANNEL_PORT`` when the NIXL handshake
+    listener's address cannot be bound now (another process holds it: typically a second vLLM
+    server on the host with the default port). vLLM binds it in a thread and waits for that
+    thread without a bound, so a taken port leaves its server alive and never healthy, saying
+    nothing but the thread's traceback. Checked the way the listener binds (ZMQ sets
+    ``SO_REUSEADDR``), just before it does."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        raise ConfigError(
+            SIDE_CHANNEL_ENV,
+            port,
+            f"a port the NIXL handshake listener can bind on {host} (binding it failed: {e.strerror or e}; vLLM "
+            f"would wait for it for good): give each vLLM server on this host its own {SIDE_CHANNEL_ENV} "
+            f"(each binds the port plus its data-parallel rank)",
+        ) from e

@@ -69,6 +69,7 @@ from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetric
 from ._settings import (
     AdapterSettings,
     TransferBound,
+    check_side_channel,
     check_transfer_bound,
     largest_access_bytes,
     read_settings,
@@ -924,7 +925,18 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 
 class _KvleaseMetrics:
     """Both connectors report kvlease's counters through vLLM's own stats and Prometheus
-    classes (pull and push share these two hooks)."""
+    classes (pull and push share these two hooks), and check the handshake listener's port
+    before vLLM binds it."""
+
+    connector_scheduler: Any
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """vLLM starts the NIXL handshake listener here (once), and waits for its bind without a
+        bound: a port already taken fails the start-up instead, naming the setting."""
+        scheduler = self.connector_scheduler
+        if scheduler is not None and scheduler._nixl_handshake_listener_t is None:
+            check_side_channel(scheduler.side_channel_host, int(scheduler.side_channel_port))
+        super().set_xfer_handshake_metadata_pp_aware(metadata)  # type: ignore[misc]
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvleaseConnectorStats:
