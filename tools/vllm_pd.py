@@ -347,11 +347,12 @@ class Held:
 
 
 class Client:
-    """engines/vllm/client.py as a subprocess: completions through the ``openai`` library."""
+    """engines/vllm/client.py as a subprocess: completions through the ``openai`` library (of
+    the environment `python` runs in: vLLM's by default; SGLang's carries it too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, python: Path = VENV_PY) -> None:
         self.proc = subprocess.Popen(
-            [str(VENV_PY), str(CLIENT)],
+            [str(python), str(CLIENT)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -473,10 +474,13 @@ class Reference:
         return answer.get("token_ids") == self.ids
 
 
-def reference_texts(prompts: list[str], max_tokens: int) -> dict[str, Reference]:
-    """Each prompt's greedy completion computed by ``transformers`` alone (no vLLM, no KV transfer):
-    what any correct P/D pair must return for it."""
-    found = _run_reference(list(prompts), max_tokens)
+def reference_texts(
+    prompts: list[str], max_tokens: int, *, python: Path = VENV_PY, model: Path = MODEL
+) -> dict[str, Reference]:
+    """Each prompt's greedy completion computed by ``transformers`` alone (no engine, no KV
+    transfer), EOS ignored: what any correct P/D pair must return for it. `python` and `model`:
+    another environment's (SGLang's) and its model."""
+    found = _run_reference(list(prompts), max_tokens, python=python, model=model)
     return {p: Reference(r["text"], [int(i) for i in r["ids"]]) for p, r in zip(prompts, found, strict=True)}
 
 
@@ -505,9 +509,11 @@ def conversations(prompts: list[str], max_tokens: int) -> dict[str, Conversation
     }
 
 
-def _run_reference(items: list[Any], max_tokens: int) -> list[dict[str, Any]]:
+def _run_reference(
+    items: list[Any], max_tokens: int, *, python: Path = VENV_PY, model: Path = MODEL
+) -> list[dict[str, Any]]:
     proc = subprocess.run(
-        [str(VENV_PY), "-c", _REFERENCE, str(MODEL), str(max_tokens)],
+        [str(python), "-c", _REFERENCE, str(model), str(max_tokens)],
         input=json.dumps(items),
         capture_output=True,
         text=True,
