@@ -625,8 +625,23 @@ class Pinner:
             for lease_id in lease_ids:
                 lease = leases.get(lease_id)
                 if lease is not None and lease.state is _ACTIVE and lease.expiry > now:
-                    # Binding (inlined `_bound_elsewhere` + `_bind`: this loop is the hot path).
+                    # Binding (inlined `_bound_elsewhere` + `_bind` + `_fresh_renewal`: this loop
+                    # is the hot path). The steady state first: the lease is bound to this very
+                    # rank of this engine, which `bind` leaves as it is.
                     bound = lease.accessor
+                    if bound == engine_id and lease.b_rank == rank:
+                        if lease.b_session != session:
+                            foreign += 1
+                            unknown.append(lease_id)
+                            continue
+                        if seq is None or seq > lease.b_seq:
+                            if seq is not None:
+                                lease.b_seq = seq
+                            if lease.kind is _RENEWABLE and new_expiry > lease.expiry:
+                                lease.expiry = new_expiry
+                        lease.promised = True
+                        renewed += 1
+                        continue
                     if bound is None:
                         lease.accessor = engine_id
                         lease.b_rank, lease.b_session, lease.b_seq = rank, session, (0 if seq is None else seq)

@@ -153,6 +153,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "elif False:",
             ),
             replace(P, "_bound_elsewhere", staticmethod(lambda lease, engine_id, rank, session: False)),
+            edit(P, "_renew", "if lease.b_session != session:", "if False:"),  # the inlined steady state
             edit(
                 P,
                 "receive_vllm_done",
@@ -170,12 +171,16 @@ MUTANTS: tuple[Mutant, ...] = (
                 "_bound_elsewhere",
                 staticmethod(lambda lease, engine_id, rank, session: lease.accessor not in (None, engine_id)),
             ),
+            edit(P, "_renew", "if lease.b_session != session:", "if False:"),  # the inlined steady state
         ),
     ),
     Mutant(
         "pinner_replay_extends",
         "a heartbeat no newer (seq) than one that extended the lease extends nothing",
-        (replace(P, "_fresh_renewal", staticmethod(lambda lease, rank, seq: True)),),
+        (
+            replace(P, "_fresh_renewal", staticmethod(lambda lease, rank, seq: True)),
+            edit(P, "_renew", "if seq is None or seq > lease.b_seq:", "if True:"),  # the inlined steady state
+        ),
     ),
     Mutant(
         "tombstone_ok_any_session",
