@@ -923,7 +923,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
 # -- the connector -------------------------------------------------------------------------------
 
 
-class _KvleaseMetrics:
+class _KvleaseConnectorCommon:
     """Both connectors report kvlease's counters through vLLM's own stats and Prometheus
     classes (pull and push share these two hooks), and check the handshake listener's port
     before vLLM binds it."""
@@ -953,7 +953,7 @@ class _KvleaseMetrics:
         return KvleasePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-class KvleaseNixlConnector(_KvleaseMetrics, NixlPullConnector):  # type: ignore[misc]
+class KvleaseNixlConnector(_KvleaseConnectorCommon, NixlPullConnector):  # type: ignore[misc]
     """vLLM's pull-mode NIXL connector (``NixlConnector``) with kvlease leases."""
 
     connector_scheduler: KvleasePullScheduler | None

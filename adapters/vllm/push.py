@@ -119,7 +119,7 @@ from ._transport import (
     producer_claim,
     verify_producer_claim,
 )
-from .connector import TICKET_KEY, _KvleaseMetrics, _KvleaseWorkerBase, check_at_start_up, transfer_bound_of
+from .connector import TICKET_KEY, _KvleaseConnectorCommon, _KvleaseWorkerBase, check_at_start_up, transfer_bound_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -743,7 +743,7 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
 # -- the connector -------------------------------------------------------------------------------
 
 
-class KvleaseNixlPushConnector(_KvleaseMetrics, NixlPushConnector):  # type: ignore[misc]
+class KvleaseNixlPushConnector(_KvleaseConnectorCommon, NixlPushConnector):  # type: ignore[misc]
     """vLLM's push-mode NIXL connector (``NixlPushConnector``) with kvlease push leases."""
 
     connector_scheduler: KvleasePushScheduler | None
