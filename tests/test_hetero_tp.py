@@ -289,7 +289,8 @@ def test_vllm_sums_each_kvlease_counter_over_the_tp_ranks(tp2: dict[str, Any]) -
     params = p.wait("finished", 60, id="h3")["params"]
     d = tp2["DT"]
     d.send(op="decode", id="h3", params=params)
-    assert d.wait("recv_done", 90, id="h3")["match"] is True
+    done = d.wait("recv_done", 90, id="h3")
+    assert done["failed"] is False and done["match"] is True, f"{done}\n{d.name}'s log:\n{d.tail()}"
     p.wait("freed", 30, id="h3")
     from _vllm_helpers import settled_stats
 

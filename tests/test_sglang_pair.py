@@ -26,8 +26,8 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import openai_serving as serving
 import pytest
-import vllm_pd as pd
 from _sglang_helpers import SGLANG_PY
 from _sglang_serve import MODEL, Pair, http, metric, need_pair_env, wait_until
 
@@ -72,10 +72,10 @@ def pair(pairs: dict[str, Pair]) -> Pair:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, pd.Reference]:
+def reference() -> dict[str, serving.Reference]:
     """Each prompt's greedy completion by ``transformers`` alone (SGLang's environment)."""
     need_pair_env()
-    return pd.reference_texts(PROMPTS, TOKENS, python=SGLANG_PY, model=MODEL)
+    return serving.reference_texts(PROMPTS, TOKENS, python=SGLANG_PY, model=MODEL)
 
 
 def test_the_plugin_starts_beside_the_host_memory_shim(pair: Pair) -> None:
@@ -86,12 +86,12 @@ def test_the_plugin_starts_beside_the_host_memory_shim(pair: Pair) -> None:
 
 
 def test_completions_through_each_router_are_the_reference_text(
-    pairs: dict[str, Pair], reference: dict[str, pd.Reference]
+    pairs: dict[str, Pair], reference: dict[str, serving.Reference]
 ) -> None:
     """OpenAI completions (the ``openai`` library, as a user's) through SGLang's router, several
     at once: stock SGLang and SGLang with the plugin each return what ``transformers`` computes
     for the prompt (greedy, EOS ignored), the KV having come from P (D ran no prefill)."""
-    client = pd.Client(python=SGLANG_PY)
+    client = serving.Client(python=SGLANG_PY)
     try:
         for kind, p in pairs.items():
             futures = {

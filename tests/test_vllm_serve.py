@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 from _vllm_serve_fleet import LEASE, pd, started_fleet
+from openai_serving import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ def test_happy_path_text_equals_reference_and_kv_came_over_nixl(fleet: pd.Fleet)
         assert fleet.metric(d, "vllm:nixl_num_failed_transfers_total") == failed0
     # kvlease's verdict on its READ: the access proven inside the lease (and P's read-done), or
     # the lease seen ended (a failed load, recomputed: the same text, D's READ refused).
-    pd.wait_until(
+    wait_until(
         lambda: (
             fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total") > done0
             or kvlease_saw_lease_end(fleet) > ended0
@@ -57,7 +58,7 @@ def test_happy_path_text_equals_reference_and_kv_came_over_nixl(fleet: pd.Fleet)
     assert fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total") > done0, (
         "kvlease's decoder saw its lease end and recomputed (the text is the reference)\n" + fleet.logs("p_kv", "d_kv")
     )
-    pd.wait_until(lambda: fleet.metric("p_kv", "vllm:kvlease_leases_completed_total") >= 1, 30, "P's read-done")
+    wait_until(lambda: fleet.metric("p_kv", "vllm:kvlease_leases_completed_total") >= 1, 30, "P's read-done")
 
 
 def kvlease_saw_lease_end(fleet: pd.Fleet) -> float:
@@ -80,7 +81,7 @@ def test_mixed_fleets_serve_the_reference_text(fleet: pd.Fleet) -> None:
         assert fleet.reference[text].matches(answer), (p, d, answer["text"], fleet.reference[text])
     # The stock decoder's "id:count" ends kvlease P's lease, unless the stock decoder read after
     # the lease (it keeps no validity: the documented "no guarantee" of a mixed fleet).
-    pd.wait_until(
+    wait_until(
         lambda: (
             fleet.metric("p_kv", "vllm:kvlease_leases_completed_total") > completed0
             or fleet.metric("p_kv", "vllm:kvlease_leases_expired_total") > expired0
@@ -109,7 +110,7 @@ def test_request_queued_longer_than_the_lease_is_served_from_transferred_kv(flee
         expired0 = fleet.metric("p_kv", "vllm:kvlease_leases_expired_total")
         text = pd.prompt("overload", "p_kv->d_kv")
         future = fleet.complete("p_kv", "d_kv", text)
-        pd.wait_until(lambda: fleet.waiting("d_kv"), 120, "the request to wait in D's queue")
+        wait_until(lambda: fleet.waiting("d_kv"), 120, "the request to wait in D's queue")
         queued_at = time.monotonic()
         # How long D went without decoding a token while the request waited: a decoder that gets no
         # CPU sends no heartbeat either (the lease then ends, rightly).

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from _vllm_serve_fleet import LEASE, pd, started_fleet
+from openai_serving import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +80,7 @@ class TestPushMode:
             assert fleet.metric(d, "vllm:nixl_num_failed_transfers_total") == failed0
         # kvlease's producer wrote under the decoder's push lease, and its write-done ended that
         # lease on D (D frees nothing of a push another request's WRITE may still land in).
-        pd.wait_until(
+        wait_until(
             lambda: fleet.metric("d_kv", "vllm:kvlease_leases_completed_total") > completed0,
             120,  # published with the step after it: 30 s ran out at 3 decoded tokens/s (a loaded machine)
             "D's push lease ended by P's write-done, in vLLM's metrics",
@@ -133,7 +134,7 @@ class TestMultiTurn:
             assert fleet.metric(p, "vllm:nixl_xfer_time_seconds_count") > reads0
         # kvlease: P's READ of D's blocks was proven inside D's fixed-TTL lease, and its
         # read-done freed them on D at once (not after vLLM's 480 s ``decoder_kv_blocks_ttl``).
-        pd.wait_until(
+        wait_until(
             lambda: fleet.metric("d_kv", "vllm:kvlease_leases_completed_total") > completed0,
             30,
             "D's fixed-TTL lease ended by P's read-done, in vLLM's metrics",
