@@ -54,6 +54,27 @@ def require_vllm_env() -> None:
         pytest.skip(problem)
 
 
+def in_clock(offset: int, cmd: list[str]) -> list[str]:
+    """`cmd` in a new Linux time namespace whose CLOCK_MONOTONIC (and CLOCK_BOOTTIME) read
+    `offset` whole seconds off the host's: the clock epoch of another host, on this one. Killing
+    the wrapper kills the command (``--kill-child``)."""
+    return ["unshare", "--time", f"--monotonic={offset}", f"--boottime={offset}", "--fork", "--kill-child", *cmd]
+
+
+def require_time_namespaces() -> None:
+    """Skip, saying why, where this host cannot give a process a clock of its own (a kernel
+    without time namespaces, or no CAP_SYS_ADMIN): nothing a test command can install."""
+    probe = in_clock(1000, [sys.executable, "-c", "import time; print(time.monotonic())"])
+    try:
+        r = subprocess.run(probe, capture_output=True, text=True, timeout=30, check=False)
+    except OSError as exc:
+        pytest.skip(f"no unshare(1) to give a process its own clock: {exc}")
+    if r.returncode != 0:
+        pytest.skip(f"this host refuses a time namespace (unshare --time): {r.stderr.strip()[:200]}")
+    if float(r.stdout) < time.monotonic() + 900:
+        pytest.skip("a time namespace did not move CLOCK_MONOTONIC")
+
+
 class PortTaken(AssertionError):
     """A node could not bind a port chosen for it (taken in between): start it again."""
 
@@ -75,7 +96,12 @@ class Node:
         tp: int = 1,
         model: Path = MODEL,
         keep_pin: bool = False,
+        clock_offset: int = 0,
+        worker_clock_offset: int = 0,
     ) -> None:
+        """`clock_offset`: this node (its scheduler and TP rank 0) runs with CLOCK_MONOTONIC that
+        many seconds off the host's, as on another host (a Linux time namespace: `in_clock`);
+        `worker_clock_offset`: the same for its TP ranks 1.. (multi-node TP), off the host's."""
         self.name = name
         self.port = free_port()
         env = dict(os.environ)
@@ -116,6 +142,10 @@ class Node:
             cmd += ["--build", json.dumps(build)]
         if keep_pin:
             cmd.append("--keep-pin")
+        if worker_clock_offset:
+            cmd += ["--worker-clock-offset", str(worker_clock_offset)]
+        if clock_offset:
+            cmd = in_clock(clock_offset, cmd)
         self.log_path = (log_dir or Path("/tmp")) / f"vllm-node-{name}-{os.getpid()}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(

@@ -131,6 +131,7 @@ def worker_stats(worker: Any) -> dict[str, Any]:
         "reqs_to_send": len(getattr(impl, "_reqs_to_send", {})),
         "push": getattr(impl, "kvlease_push_counts", None),
         "cpus": {"main": sorted(os.sched_getaffinity(0)), "pump": pump_cpus(impl)},
+        "clock": time.monotonic(),  # this rank's CLOCK_MONOTONIC (a time namespace moves it)
     }
 
 
@@ -203,6 +204,12 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: TP ranks 1.. run as worker processes")
     ap.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)  # a TP worker process
+    ap.add_argument(
+        "--worker-clock-offset",
+        type=int,
+        default=0,
+        help="TP ranks 1.. run with CLOCK_MONOTONIC this many seconds off the host's (a time namespace)",
+    )
     ap.add_argument("--ctl-port", type=int, default=0, help=argparse.SUPPRESS)  # rank 0's control listener
     ap.add_argument("--bad-config", default="", help="JSON extra config that must fail at build")
     ap.add_argument(
@@ -366,7 +373,11 @@ def main() -> None:
         listener = Listener(("127.0.0.1", 0), authkey=b"kvt")
         for r in range(1, args.tp):
             argv = [*sys.argv[1:], "--worker-rank", str(r), "--ctl-port", str(listener.address[1])]
-            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], stdout=sys.stderr))
+            wcmd = [sys.executable, os.path.abspath(__file__), *argv]
+            if args.worker_clock_offset:  # this rank on another host's clock (multi-node TP)
+                off = args.worker_clock_offset
+                wcmd = ["unshare", "--time", f"--monotonic={off}", f"--boottime={off}", "--fork", "--kill-child", *wcmd]
+            procs.append(subprocess.Popen(wcmd, stdout=sys.stderr))
     with set_current_vllm_config(vllm_config):
         worker, kv_caches = start_worker(args, vllm_config, kv_cache_config)
         handshake = {(0, 0): worker.get_handshake_metadata()}
