@@ -57,11 +57,15 @@ def use_this_checkout() -> None:
     sys.meta_path.insert(0, Checkout())
 
 
+_EMIT = threading.Lock()  # events come from the main thread and from vLLM's push writer thread
+
+
 def emit(ev: str, **kw: Any) -> None:
     kw["ev"] = ev
     kw.setdefault("t", time.monotonic())
-    sys.stdout.write("EV " + json.dumps(kw) + "\n")
-    sys.stdout.flush()
+    with _EMIT:
+        sys.stdout.write("EV " + json.dumps(kw) + "\n")
+        sys.stdout.flush()
 
 
 def pattern(rid: str, pos: int, layer: int) -> float:
@@ -432,14 +436,19 @@ def main() -> None:
 
         # Push: a stall of vLLM's writer thread between a WRITE's approval and its posting (as a
         # GC pause or a starved thread would), per decoder request id: the `stall_writer` op.
-        stalls: dict[str, float] = {}
+        # With "rank": only before the WRITE to that decoder rank (after the others were posted:
+        # a stall between two WRITEs of one push), said by a "stalling" event.
+        stalls: dict[str, tuple[float, int | None]] = {}
         if args.connector.endswith("-push") and impl0 is not None:
             real_xfer_blocks = impl0._xfer_blocks
 
             def xfer_blocks(*a: Any, **k: Any) -> Any:
-                stall = stalls.pop(str(k.get("remote_request_id")), 0.0)
-                if stall:
-                    time.sleep(stall)
+                rid = str(k.get("remote_request_id"))
+                stall = stalls.get(rid)
+                if stall is not None and stall[1] in (None, int(k["read_spec"].remote_rank)):
+                    del stalls[rid]
+                    emit("stalling", id=rid, rank=int(k["read_spec"].remote_rank), seconds=stall[0])
+                    time.sleep(stall[0])
                 return real_xfer_blocks(*a, **k)
 
             impl0._xfer_blocks = xfer_blocks
@@ -601,7 +610,7 @@ def main() -> None:
                 emit("tampering", id=rid)
                 continue
             if op == "stall_writer":
-                stalls[rid] = float(cmd["seconds"])
+                stalls[rid] = (float(cmd["seconds"]), cmd.get("rank"))
                 emit("stalled", id=rid)
                 continue
             if op == "abort":

@@ -282,8 +282,8 @@ def test_vllm_tp2_producer_tp1_decoder_each_rank_confirms_and_frees_on_its_acces
 def test_vllm_sums_each_kvlease_counter_over_the_tp_ranks(tp2: dict[str, Any]) -> None:
     """Issue 21 (metrics): vLLM aggregates the connector stats of every TP rank of an engine
     (KVOutputAggregator: each rank's lists extended into one) before the Prometheus metrics
-    count them, so a producer counter is the sum over its ranks: on this TP-2 producer every
-    request is granted, and completed, twice (each rank pins its own share of the KV)."""
+    count them, so a producer counter is the sum over its ranks: on this TP-2 producer a request
+    is granted, and completed, on each rank (each pins its own share of the KV)."""
     p = tp2["PT"]
     p.send(op="prefill", id="h3")
     params = p.wait("finished", 60, id="h3")["params"]
@@ -298,7 +298,11 @@ def test_vllm_sums_each_kvlease_counter_over_the_tp_ranks(tp2: dict[str, Any]) -
     s = settled_stats(p, lambda s: {f"vllm:kvlease_{n}_total": sum(r["driver"][n] for r in s["ranks"]) for n in names})
     for name in names:
         per_rank = [r["driver"][name] for r in s["ranks"]]
-        assert per_rank[0] == per_rank[1] >= 1, per_rank
+        # Each rank counted (settled_stats: the exported counter is their sum). Not always the
+        # same count: a rank whose part of the READ is done before the step that grants it (the
+        # ticket's initial window covers the READ; vLLM holds the blocks until then) has nothing
+        # left to grant, and skips it.
+        assert min(per_rank) >= 1 and s["prometheus"][f"vllm:kvlease_{name}_total"] == sum(per_rank), per_rank
 
 
 def test_a_producer_that_registered_its_kv_cache_again_is_read_without_a_spurious_failure(

@@ -57,7 +57,10 @@ reads and queues:
    against that snapshot (one ``dict`` read, atomic in CPython). Validity only grows while the
    lease lives, so a snapshot one step old only refuses more. A refused WRITE is never posted;
    the main thread reports the access failed (the lease is given up; D frees its blocks at
-   expiry + G) and frees P's source blocks.
+   expiry + G) and frees P's source blocks. Where the decoder's TP is larger than P's, a push is
+   one WRITE per decoder rank, and one can be refused after another was posted: the access
+   failed with a part posted, so no decoder rank frees on the Release (each at its expiry + G),
+   and P's source blocks are freed only once that WRITE completed.
 4. The WRITE's notification is the access-done (vLLM's ``"id:count"`` swapped by the agent
    wrapper), so D hears it only after the data landed; when vLLM reports the WRITE handles done
    on the main thread, the transport reports the access finished to the driver.
@@ -655,7 +658,15 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
                 ok = p_rid in res.finished_sending
                 transport.complete(rid, ok, "" if ok else "vLLM reported the WRITE failed")
                 self._kv_writing.discard(rid)
-            for p_rid in self._kv_src_done:
+            waiting: set[str] = set()
+            if self._kv_src_done:
+                # A push of several WRITEs (the decoder's TP larger than P's) can be refused in
+                # part after another part was posted: its source blocks stay P's until that
+                # WRITE completed (vLLM then reports the request sent, in the same call that
+                # pops its handles), as an expired source lease's are.
+                with self._sending_transfers_lock:
+                    waiting = {r for r in self._kv_src_done if self._kv_in_flight(r)}
+            for p_rid in self._kv_src_done - waiting:
                 # P's source blocks of a WRITE that will not happen: freed as vLLM frees them.
                 self._reqs_to_send.pop(p_rid, None)
                 self._reqs_to_process.discard(p_rid)
@@ -665,7 +676,7 @@ class KvleasePushWorker(_KvleaseWorkerBase, NixlPushConnectorWorker):  # type: i
                     self._kv_src.discard(p_rid)
                     self._kv_src_reported.add(p_rid)
                     transport.feed(self.engine_id, f"{p_rid}:1".encode())
-            self._kv_src_done.clear()
+            self._kv_src_done = waiting
         for ev in driver.step():
             if isinstance(ev, Free):
                 if ev.key in self._kv_src_reported:
