@@ -28,6 +28,7 @@ from ports import free_port
 
 SHIMS = ROOT / "engines" / "sglang" / "shims"
 MODEL = ROOT / "build" / "sglang-tiny-llama"
+STRAGGLER = ROOT / "tests" / "sglang_straggler"  # a test-only plugin: the prefill's WRITEs held
 #: ``SGLANG_PLUGINS`` of each kind of pair: kvlease's plugin composes with the host-memory one.
 PLUGINS = {"kvlease": "kvlease,cpu_dram_kv", "stock": "cpu_dram_kv"}
 
@@ -124,7 +125,10 @@ class Pair:
         kind: str = "kvlease",
         env: dict[str, str] | None = None,
         router_flags: tuple[str, ...] = (),
+        straggle: Path | None = None,
     ) -> None:
+        """`straggle`: a folder for the test-only straggler plugin (tests/sglang_straggler): the
+        prefill's WRITEs are held while a file ``arm`` there holds a number of seconds."""
         self.kind = kind
         self.router_flags = list(router_flags)
         self.tmp = tmp
@@ -142,6 +146,12 @@ class Pair:
             "SGLANG_PLUGINS": PLUGINS[kind],
             **(env or {}),
         }
+        self.straggle = straggle
+        if straggle is not None:
+            straggle.mkdir(parents=True, exist_ok=True)
+            self.env["PYTHONPATH"] += os.pathsep + str(STRAGGLER)
+            self.env["SGLANG_PLUGINS"] += ",straggler"
+            self.env["KVLEASE_TEST_STRAGGLE_DIR"] = str(straggle)
         self.servers: list[Server] = []
         self.t_servers = self.t_ready = 0.0
 

@@ -11,7 +11,9 @@ shim; OpenAI completions (the ``openai`` library) through each router, every tex
 ``transformers`` run's and the same on both pairs; kvlease's figures in SGLang's own ``/metrics``;
 and a request no decode ever admits, which stock SGLang holds for
 ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (300 s: shown still held after the plugin's bound)
-and the plugin fails at its source lease's duration ``d``.
+and the plugin fails at its source lease's duration ``d``. Last, each pair's prefill is
+SIGKILLed while its WRITE into the decode's pages is held in flight (the test-only straggler
+plugin, tests/sglang_straggler): what each decode does with those pages, and when.
 
 Cost: about 2-3 minutes on an idle 2-core machine (start-up of both pairs together ~90 s, the
 model made once into ``build/``), more under load. ``KVLEASE_SGLANG_PAIR=0`` skips the module.
@@ -50,7 +52,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pair]]
     need_pair_env()
     tmp = tmp_path_factory.mktemp("sglang-pairs")
     env = {"SGLANG_KVLEASE_LEASE_DURATION": str(D_LEASE)}
-    both = {kind: Pair(tmp, kind, env=env) for kind in ("stock", "kvlease")}
+    both = {kind: Pair(tmp, kind, env=env, straggle=tmp / f"{kind}-straggle") for kind in ("stock", "kvlease")}
     try:
         for p in both.values():
             p.start()
@@ -155,3 +157,69 @@ def test_a_request_no_decode_admits_fails_at_its_lease_not_at_300s(pairs: dict[s
         f"\na request no decode admits: kvlease ended it after {elapsed:.1f}s (d = {D_LEASE:g}s); "
         f"stock SGLang still held it after {stock_elapsed:.1f}s (its bootstrap timeout: 300 s)"
     )
+
+
+def _deferred_releases(d_url: str) -> dict[str, float]:
+    """SGLang's count of the decode's deferred KV releases, by outcome."""
+    text = http("GET", f"{d_url}/metrics", timeout=10)[1]
+    out: dict[str, float] = {}
+    for outcome in ("drained", "timeout", "error"):
+        out[outcome] = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("sglang:decode_deferred_kv_release_total{") and f'outcome="{outcome}"' in line
+        )
+    return out
+
+
+def _kill_prefill_mid_write(p: Pair, client: serving.Client, within: float) -> dict[str, float | str]:
+    """Hold P's WRITEs, send a completion through the router, SIGKILL P once its WRITE is held,
+    and watch D until it let the request's pages go (a deferred release resolved, or none was
+    needed and the request ended): seconds after the kill of each thing seen."""
+    assert p.straggle is not None
+    before = _deferred_releases(p.d_url)
+    (p.straggle / "arm").write_text("600")  # the WRITE would land 10 minutes late: never, here
+    answer = client.submit(f"{p.r_url}/v1", "def victim(x):", TOKENS, extra_body={"ignore_eos": True})
+    wait_until(f"{p.kind}: P's WRITE held", lambda: (p.straggle / "held").exists(), 120, p.servers)
+    time.sleep(0.5)
+    t_kill = time.time()
+    p.p.kill()
+    seen: dict[str, float | str] = {}
+    deadline = t_kill + within
+    while time.time() < deadline and not ("released" in seen and "answered" in seen):
+        if "answered" not in seen and answer.done():
+            seen["answered"] = time.time() - t_kill
+            seen["status"] = answer.result()["status"]
+        if "released" not in seen:
+            now = _deferred_releases(p.d_url)
+            gained = [k for k in now if now[k] > before[k]]
+            if gained:
+                seen["released"] = time.time() - t_kill
+                seen["outcome"] = gained[0]
+        time.sleep(0.25)
+    assert http("GET", f"{p.d_url}/health", timeout=10)[0] == 200, f"{p.kind}: D died with its prefill"
+    return seen
+
+
+def test_prefill_sigkilled_mid_write(pairs: dict[str, Pair]) -> None:
+    """P dies while its WRITE into D's pages is in flight (held by the straggler plugin; P's
+    process group SIGKILLed). With the plugin, D's destination lease, which P no longer renews,
+    ends at its expiry plus the push guard, and SGLang's deferred release lets the pages go on
+    it: within E + I + G of the kill. Stock SGLang waits for a drain acknowledgement a dead prefill
+    never sends, until its deferred-release timeout (30 s) after it noticed the failure."""
+    client = serving.Client(python=SGLANG_PY)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = {kind: pool.submit(_kill_prefill_mid_write, p, client, 120.0) for kind, p in pairs.items()}
+            seen = {kind: f.result() for kind, f in futures.items()}
+    finally:
+        client.close()
+    print(f"\nprefill SIGKILLed mid-WRITE, seconds after the kill: {seen}")
+    mine = seen["kvlease"]
+    d_log = pairs["kvlease"].d.log()[-3000:]
+    assert "released" in mine, f"kvlease: D never let the dead prefill's pages go: {mine}\n{d_log}"
+    # A dead prefill's pages come back within E + I + G of its last heartbeat (docs/sglang.md):
+    # E = 2d/3, I = d/6, G = A (1 + rho) at the plugin's default A = 2 s.
+    bound = D_LEASE * 2 / 3 + D_LEASE / 6 + 2.0 * (1 + 1e-4)
+    assert mine["released"] <= bound + SLACK, f"{mine}: bound E + I + G = {bound:.1f} s"
+    assert mine.get("status") != 200, f"kvlease: a request whose KV never came was answered 200: {mine}"
