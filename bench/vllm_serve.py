@@ -8,15 +8,21 @@ token for each, their ratios (kvlease / stock), and kvlease's own cost inside th
 microseconds per turn of its lease code (its part of each engine step, and the lease pump's
 turns), from the server's ``vllm:kvlease_lease_work_us`` and ``vllm:kvlease_lease_turns``.
 
-    .venv/bin/python bench/vllm_serve.py [--rounds 3] [--requests 24] [--concurrency 4]
+    .venv/bin/python bench/vllm_serve.py [--rounds 3] [--requests 24] [--concurrency 4] [--alone]
+
+``--alone``: one pair at a time instead of both at once, started afresh for each of its rounds
+(the stacks still alternate), with P pinned to one core and D to another (``taskset``): on a
+machine with fewer cores than four servers need, the two pairs then stop competing for the same
+cores, and a round measures its stack, not the other pair's idle polling beside it.
 
 Needs the vLLM environment (bash engines/vllm/setup.sh). Run time: about 6 minutes (1-3 of them
-the servers' start-up).
+the servers' start-up); with ``--alone`` about 12 (a pair start-up per round and stack).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -69,17 +75,71 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--lease", type=float, default=30.0, help="kv_lease_duration of every server (s)")
+    ap.add_argument("--alone", action="store_true", help="one pair at a time, P and D on a core each")
     args = ap.parse_args()
     problem = pd.missing_environment()
     if problem is not None:
         sys.exit(f"bench/vllm_serve.py: {problem}")
+    results, work = run_alone(args) if args.alone else run_together(args)
+    report(args, results, work)
+
+
+def _pair(stack: str, workdir: Path, args: Any, cpus: tuple[str, str] | None) -> dict[str, pd.Server]:
+    connector, suffix = (pd.KVLEASE, "kv") if stack == "kvlease" else (pd.STOCK, "stock")
+    p_cpus, d_cpus = cpus if cpus is not None else (None, None)
+    return {
+        f"p_{suffix}": pd.start_server(f"p_{suffix}", connector, pd.PRODUCER, workdir, lease=args.lease, cpus=p_cpus),
+        f"d_{suffix}": pd.start_server(f"d_{suffix}", connector, pd.CONSUMER, workdir, lease=args.lease, cpus=d_cpus),
+    }
+
+
+def _work(metrics: dict[str, float]) -> tuple[float, float]:
+    return metrics.get("vllm:kvlease_lease_work_us_total", 0.0), metrics.get("vllm:kvlease_lease_turns_total", 0.0)
+
+
+def run_alone(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[float, float]]:
+    """Each round and stack on a pair of its own, started for it (P on core 0, D on core 1)."""
+    cores = sorted(os.sched_getaffinity(0))
+    cpus = (str(cores[0]), str(cores[1])) if len(cores) >= 2 else None
+    results: dict[str, list[dict[str, Any]]] = {"stock": [], "kvlease": []}
+    us = turns = 0.0
+    for n in range(args.rounds):
+        for stack in ("stock", "kvlease") if n % 2 == 0 else ("kvlease", "stock"):
+            workdir = Path(tempfile.mkdtemp(prefix="kvlease-bench-serve-"))
+            servers = _pair(stack, workdir, args, cpus)
+            router = client = None
+            try:
+                up = pd.wait_healthy(list(servers.values()))
+                p, d = servers.values()
+                router = pd.start_router([p], [d], workdir)
+                client = pd.Client()
+                run_round(servers, client, router, stack, argparse.Namespace(**{**vars(args), "requests": 4}), -1)
+                work0 = _work(p.metrics())
+                r = run_round(servers, client, router, stack, args, n)
+                work1 = _work(p.metrics())
+                us, turns = us + work1[0] - work0[0], turns + work1[1] - work0[1]
+            finally:
+                if client is not None:
+                    client.close()
+                if router is not None:
+                    router.stop()
+                pd.stop_all(list(servers.values()))
+                shutil.rmtree(workdir, ignore_errors=True)
+            results[stack].append(r)
+            print(f"round {n} {stack:8s} (pair healthy after {up:.0f} s) {r['rps']:.2f} completions/s, "
+                  f"TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, p90 {r['ttft_p90'] * 1000:.0f} ms, "
+                  f"failed {r['failed']}", flush=True)  # fmt: skip
+    return results, (us, turns)
+
+
+def run_together(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[float, float]]:
+    """Both pairs up at once, the rounds alternating between them."""
     workdir = Path(tempfile.mkdtemp(prefix="kvlease-bench-serve-"))
     servers: dict[str, pd.Server] = {}
     router = client = None
     try:
-        for connector, suffix in ((pd.STOCK, "stock"), (pd.KVLEASE, "kv")):
-            servers[f"p_{suffix}"] = pd.start_server(f"p_{suffix}", connector, pd.PRODUCER, workdir, lease=args.lease)
-            servers[f"d_{suffix}"] = pd.start_server(f"d_{suffix}", connector, pd.CONSUMER, workdir, lease=args.lease)
+        for stack in ("stock", "kvlease"):
+            servers.update(_pair(stack, workdir, args, None))
         print(f"pairs healthy after {pd.wait_healthy(list(servers.values())):.0f} s", flush=True)
         router = pd.start_router([servers["p_stock"], servers["p_kv"]], [servers["d_stock"], servers["d_kv"]], workdir)
         client = pd.Client()
@@ -101,12 +161,17 @@ def main() -> None:
             router.stop()
         pd.stop_all(list(servers.values()))
         shutil.rmtree(workdir, ignore_errors=True)
+    (us1, turns1), (us0, turns0) = _work(work1), _work(work0)
+    return results, (us1 - us0, turns1 - turns0)
 
+
+def report(args: Any, results: dict[str, list[dict[str, Any]]], work: tuple[float, float]) -> None:
     def med(stack: str, key: str) -> float:
         return statistics.median(r[key] for r in results[stack])
 
+    how = "one pair at a time, P and D on a core each" if args.alone else "both pairs up together"
     print(f"\n{args.rounds} rounds x {args.requests} streamed completions, concurrency {args.concurrency}, "
-          f"{args.max_tokens} tokens, lease {args.lease:g} s (medians over rounds)")  # fmt: skip
+          f"{args.max_tokens} tokens, lease {args.lease:g} s, {how} (medians over rounds)")  # fmt: skip
     print(f"{'':10s} {'completions/s':>14s} {'TTFT p50 ms':>12s} {'TTFT p90 ms':>12s} {'failed':>7s}")
     for stack in ("stock", "kvlease"):
         failed = sum(r["failed"] for r in results[stack])
@@ -115,8 +180,7 @@ def main() -> None:
     print(f"{'ratio':10s} {med('kvlease', 'rps') / med('stock', 'rps'):14.3f} "
           f"{med('kvlease', 'ttft_p50') / med('stock', 'ttft_p50'):12.3f} "
           f"{med('kvlease', 'ttft_p90') / med('stock', 'ttft_p90'):12.3f}   (kvlease / stock)")  # fmt: skip
-    us = work1.get("vllm:kvlease_lease_work_us_total", 0.0) - work0.get("vllm:kvlease_lease_work_us_total", 0.0)
-    turns = work1.get("vllm:kvlease_lease_turns_total", 0.0) - work0.get("vllm:kvlease_lease_turns_total", 0.0)
+    us, turns = work
     done = sum(r["ok"] for r in results["kvlease"])
     if turns:
         print(f"kvlease inside P: {us / turns:.1f} µs per turn of its lease code ({turns:.0f} turns), "

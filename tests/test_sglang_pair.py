@@ -176,11 +176,12 @@ def _kill_prefill_mid_write(p: Pair, client: serving.Client, within: float) -> d
     """Hold P's WRITEs, send a completion through the router, SIGKILL P once its WRITE is held,
     and watch D until it let the request's pages go (a deferred release resolved, or none was
     needed and the request ended): seconds after the kill of each thing seen."""
-    assert p.straggle is not None
+    folder = p.straggle
+    assert folder is not None
     before = _deferred_releases(p.d_url)
-    (p.straggle / "arm").write_text("600")  # the WRITE would land 10 minutes late: never, here
+    (folder / "arm").write_text("600")  # the WRITE would land 10 minutes late: never, here
     answer = client.submit(f"{p.r_url}/v1", "def victim(x):", TOKENS, extra_body={"ignore_eos": True})
-    wait_until(f"{p.kind}: P's WRITE held", lambda: (p.straggle / "held").exists(), 120, p.servers)
+    wait_until(f"{p.kind}: P's WRITE held", lambda: (folder / "held").exists(), 120, p.servers)
     time.sleep(0.5)
     t_kill = time.time()
     p.p.kill()
@@ -221,5 +222,5 @@ def test_prefill_sigkilled_mid_write(pairs: dict[str, Pair]) -> None:
     # A dead prefill's pages come back within E + I + G of its last heartbeat (docs/sglang.md):
     # E = 2d/3, I = d/6, G = A (1 + rho) at the plugin's default A = 2 s.
     bound = D_LEASE * 2 / 3 + D_LEASE / 6 + 2.0 * (1 + 1e-4)
-    assert mine["released"] <= bound + SLACK, f"{mine}: bound E + I + G = {bound:.1f} s"
+    assert float(mine["released"]) <= bound + SLACK, f"{mine}: bound E + I + G = {bound:.1f} s"
     assert mine.get("status") != 200, f"kvlease: a request whose KV never came was answered 200: {mine}"

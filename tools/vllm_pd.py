@@ -239,8 +239,10 @@ def start_server(
     extra: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     connector_name: str = "NixlConnector",
+    cpus: str | None = None,
 ) -> Server:
-    """Start one server (returns at once: `wait_healthy` waits for it)."""
+    """Start one server (returns at once: `wait_healthy` waits for it); `cpus`: the cores it and
+    its engine processes may run on (``taskset -c``), every core when None."""
     port, side = free_port(), free_port()
     flags = [*COMMON_FLAGS, "--port", str(port), "--max-num-seqs", str(max_num_seqs)]
     flags += ["--max-model-len", str(max_model_len)]
@@ -252,8 +254,9 @@ def start_server(
     log_path = workdir / f"{name}.log"
     run_in = workdir / "cwd"
     run_in.mkdir(parents=True, exist_ok=True)
+    pin = [] if cpus is None else ["taskset", "-c", cpus]
     proc = subprocess.Popen(
-        [str(VENV_PY), "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL), *flags],
+        [*pin, str(VENV_PY), "-m", "vllm.entrypoints.cli.main", "serve", str(MODEL), *flags],
         cwd=run_in,
         env={**os.environ, **SERVER_ENV, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), **bench_shims(), **(env or {})},
         stdout=log_path.open("wb"),
@@ -264,7 +267,7 @@ def start_server(
     spec = {
         "name": name, "connector": connector, "role": role, "workdir": workdir, "lease": lease,
         "blocks": blocks, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-        "extra": extra, "env": env, "connector_name": connector_name,
+        "extra": extra, "env": env, "connector_name": connector_name, "cpus": cpus,
     }  # fmt: skip
     return Server(name, connector, role, port, log_path, proc, lease, spec)
 

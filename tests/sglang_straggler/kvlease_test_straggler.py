@@ -85,7 +85,7 @@ def _straggling(base: type) -> type:
 
 def _around_get_kv_class(original: Any, transfer_backend: Any, class_type: Any, *a: Any, **k: Any) -> Any:
     cls = original(transfer_backend, class_type, *a, **k)
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend  # type: ignore[import-not-found]
 
     if transfer_backend == TransferBackend.NIXL and class_type == KVClassType.MANAGER:
         return _straggling(cls)
@@ -93,6 +93,6 @@ def _around_get_kv_class(original: Any, transfer_backend: Any, class_type: Any, 
 
 
 def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # type: ignore[import-not-found]
 
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _around_get_kv_class, HookType.AROUND)
