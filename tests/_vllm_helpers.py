@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +265,25 @@ def print_events(*nodes: Node) -> None:
     for n in nodes:
         for e in n.drain():
             print(n.name, e, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def nodes_up(specs: dict[str, dict[str, Any]], timeout: float = 300.0) -> Iterator[dict[str, Node]]:
+    """A node per spec (name -> `Node` arguments), each ready within `timeout`: one whose port
+    was taken while it started is started again (twice at most). All are closed on the way out."""
+    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
+    try:
+        for name in specs:
+            for attempt in range(3):
+                try:
+                    nodes[name].wait("ready", timeout=timeout)
+                    break
+                except PortTaken:
+                    if attempt == 2:
+                        raise
+                    nodes[name].close()
+                    nodes[name] = Node(name, **specs[name])
+        yield nodes
+    finally:
+        for n in nodes.values():
+            n.close()

@@ -217,7 +217,7 @@ VLLM_SLACK = 1.0  # scheduling slack of a step loop on a loaded 2-core machine
 def tp2() -> Iterator[dict[str, Any]]:
     """A kvlease producer at TP 2 (one KV head per rank) and a kvlease decoder at TP 1 (both
     heads): the decoder reads each producer rank's head, and the lease maps it to both ranks."""
-    from _vllm_helpers import Node, PortTaken, require_vllm_env
+    from _vllm_helpers import nodes_up, require_vllm_env
 
     require_vllm_env()
     specs: dict[str, dict[str, Any]] = {
@@ -229,22 +229,8 @@ def tp2() -> Iterator[dict[str, Any]]:
             max_num_seqs=1,
         ),
     }
-    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
-    try:
-        for name in specs:
-            for attempt in range(3):
-                try:
-                    nodes[name].wait("ready", timeout=300)
-                    break
-                except PortTaken:
-                    if attempt == 2:
-                        raise
-                    nodes[name].close()
-                    nodes[name] = Node(name, **specs[name])
+    with nodes_up(specs, timeout=300) as nodes:
         yield nodes
-    finally:
-        for n in nodes.values():
-            n.close()
 
 
 def _rank_counters(node: Any) -> list[dict[str, int]]:

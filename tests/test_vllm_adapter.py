@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _vllm_helpers import Node, PortTaken, require_vllm_env, settled_stats
+from _vllm_helpers import Node, nodes_up, require_vllm_env, settled_stats
 
 pytestmark = pytest.mark.slow
 
@@ -84,22 +84,8 @@ def fleet() -> Iterator[dict[str, Node]]:
             keep_pin=True,
         ),
     }
-    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
-    try:
-        for name in specs:
-            for attempt in range(3):
-                try:
-                    nodes[name].wait("ready", timeout=240)
-                    break
-                except PortTaken:
-                    if attempt == 2:
-                        raise
-                    nodes[name].close()
-                    nodes[name] = Node(name, **specs[name])
+    with nodes_up(specs, timeout=240) as nodes:
         yield nodes
-    finally:
-        for n in nodes.values():
-            n.close()
 
 
 def prefill(p: Node, rid: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _vllm_helpers import Node, PortTaken, require_time_namespaces, require_vllm_env
+from _vllm_helpers import Node, nodes_up, require_time_namespaces, require_vllm_env
 
 pytestmark = pytest.mark.slow
 
@@ -55,22 +55,8 @@ def hosts() -> Iterator[dict[str, Node]]:
         "DA": dict(decoder, worker_clock_offset=AHEAD),
         "DB": dict(decoder, worker_clock_offset=BEHIND),
     }
-    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
-    try:
-        for name in specs:
-            for attempt in range(3):
-                try:
-                    nodes[name].wait("ready", timeout=300)
-                    break
-                except PortTaken:
-                    if attempt == 2:
-                        raise
-                    nodes[name].close()
-                    nodes[name] = Node(name, **specs[name])
+    with nodes_up(specs, timeout=300) as nodes:
         yield nodes
-    finally:
-        for n in nodes.values():
-            n.close()
 
 
 def _turn1(p: Node, d: Node, rid: str) -> dict[str, Any]:

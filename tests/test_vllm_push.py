@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _vllm_helpers import Node, PortTaken, require_vllm_env, settled_stats
+from _vllm_helpers import Node, nodes_up, require_vllm_env, settled_stats
 from kvlease.adapters.vllm._transport import PRODUCER_KEY, producer_claim
 
 from kvlease import FrameAuth
@@ -71,22 +71,8 @@ def pair() -> Iterator[dict[str, Node]]:
         # a stock vLLM push producer (NixlPushConnector, unmodified): the mixed fleet
         "P2": dict(role="kv_producer", connector="stock-push", extra={"kv_lease_duration": int(D)}, max_num_seqs=1),
     }
-    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
-    try:
-        for name in specs:
-            for attempt in range(3):
-                try:
-                    nodes[name].wait("ready", timeout=240)
-                    break
-                except PortTaken:
-                    if attempt == 2:
-                        raise
-                    nodes[name].close()
-                    nodes[name] = Node(name, **specs[name])
+    with nodes_up(specs, timeout=240) as nodes:
         yield nodes
-    finally:
-        for n in nodes.values():
-            n.close()
 
 
 def _register(p: Node, d: Node, rid: str, *, claim: dict[str, Any] | None = None) -> None:

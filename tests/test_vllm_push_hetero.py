@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _vllm_helpers import Node, PortTaken, require_vllm_env
+from _vllm_helpers import Node, nodes_up, require_vllm_env
 
 pytestmark = pytest.mark.slow
 
@@ -44,22 +44,8 @@ def pair() -> Iterator[dict[str, Node]]:
         "P": dict(role="kv_producer", connector="kvlease-push", extra=EXTRA, max_num_seqs=1),
         "D": dict(role="kv_consumer", connector="kvlease-push", extra=EXTRA, tp=2),
     }
-    nodes = {name: Node(name, **spec) for name, spec in specs.items()}
-    try:
-        for name in specs:
-            for attempt in range(3):
-                try:
-                    nodes[name].wait("ready", timeout=300)
-                    break
-                except PortTaken:
-                    if attempt == 2:
-                        raise
-                    nodes[name].close()
-                    nodes[name] = Node(name, **specs[name])
+    with nodes_up(specs, timeout=300) as nodes:
         yield nodes
-    finally:
-        for n in nodes.values():
-            n.close()
 
 
 def _register(p: Node, d: Node, rid: str) -> None:
