@@ -97,6 +97,15 @@ def _work(metrics: dict[str, float]) -> tuple[float, float]:
     return metrics.get("vllm:kvlease_lease_work_us_total", 0.0), metrics.get("vllm:kvlease_lease_turns_total", 0.0)
 
 
+def _teardown(servers: dict[str, pd.Server], workdir: Path, router: Any, client: Any) -> None:
+    if client is not None:
+        client.close()
+    if router is not None:
+        router.stop()
+    pd.stop_all(list(servers.values()))
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
 def run_alone(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[float, float]]:
     """Each round and stack on a pair of its own, started for it (P on core 0, D on core 1)."""
     cores = sorted(os.sched_getaffinity(0))
@@ -119,12 +128,7 @@ def run_alone(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[float, 
                 work1 = _work(p.metrics())
                 us, turns = us + work1[0] - work0[0], turns + work1[1] - work0[1]
             finally:
-                if client is not None:
-                    client.close()
-                if router is not None:
-                    router.stop()
-                pd.stop_all(list(servers.values()))
-                shutil.rmtree(workdir, ignore_errors=True)
+                _teardown(servers, workdir, router, client)
             results[stack].append(r)
             print(f"round {n} {stack:8s} (pair healthy after {up:.0f} s) {r['rps']:.2f} completions/s, "
                   f"TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, p90 {r['ttft_p90'] * 1000:.0f} ms, "
@@ -155,12 +159,7 @@ def run_together(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[floa
                       f"p90 {r['ttft_p90'] * 1000:.0f} ms, failed {r['failed']}", flush=True)  # fmt: skip
         work1 = servers["p_kv"].metrics()
     finally:
-        if client is not None:
-            client.close()
-        if router is not None:
-            router.stop()
-        pd.stop_all(list(servers.values()))
-        shutil.rmtree(workdir, ignore_errors=True)
+        _teardown(servers, workdir, router, client)
     (us1, turns1), (us0, turns0) = _work(work1), _work(work0)
     return results, (us1 - us0, turns1 - turns0)
 
