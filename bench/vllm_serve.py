@@ -6,7 +6,8 @@ rounds (so both see the same machine): ``--requests`` streamed completions per r
 ``--concurrency``, from the ``openai`` client. Prints completions per second and time to first
 token for each, their ratios (kvlease / stock), and kvlease's own cost inside the producer:
 microseconds per turn of its lease code (its part of each engine step, and the lease pump's
-turns), from the server's ``vllm:kvlease_lease_work_us`` and ``vllm:kvlease_lease_turns``.
+turns), from the server's ``vllm:kvlease_lease_work_us`` and ``vllm:kvlease_lease_turns``; and
+how many of kvlease's reads waited for the producer's confirmation (``accesses_confirmed``).
 
     .venv/bin/python bench/vllm_serve.py [--rounds 3] [--requests 24] [--concurrency 4] [--alone]
 
@@ -40,6 +41,7 @@ def run_round(
 ) -> dict[str, Any]:
     p, d = ("p_kv", "d_kv") if stack == "kvlease" else ("p_stock", "d_stock")
     headers = {"x-kvlease-prefill": p, "x-kvlease-decode": d}
+    reads0 = _reads(fleet.get(d))
     pending: list[Any] = []
     answers: list[dict[str, Any]] = []
     start = time.monotonic()
@@ -58,7 +60,11 @@ def run_round(
     wall = time.monotonic() - start
     ok = [a for a in answers if a["status"] == 200]
     ttft = sorted(a["ttft"] for a in ok if a["ttft"] is not None)
+    if reads0 is not None:
+        time.sleep(1.0)  # a rank reports its counters to vLLM's metrics at most every 0.5 s
+    reads1 = _reads(fleet.get(d))
     return {
+        "reads": None if reads0 is None or reads1 is None else (reads1[0] - reads0[0], reads1[1] - reads0[1]),
         "wall": wall,
         "ok": len(ok),
         "failed": len(answers) - len(ok),
@@ -91,6 +97,15 @@ def _pair(stack: str, workdir: Path, args: Any, cpus: tuple[str, str] | None) ->
         f"p_{suffix}": pd.start_server(f"p_{suffix}", connector, pd.PRODUCER, workdir, lease=args.lease, cpus=p_cpus),
         f"d_{suffix}": pd.start_server(f"d_{suffix}", connector, pd.CONSUMER, workdir, lease=args.lease, cpus=d_cpus),
     }
+
+
+def _reads(d: pd.Server | None) -> tuple[float, float] | None:
+    """A kvlease decoder's reads completed, and of them those that waited for the producer's
+    confirmation (one more round trip); None for a stock one."""
+    if d is None or d.connector != pd.KVLEASE:
+        return None
+    m = d.metrics()
+    return m.get("vllm:kvlease_accesses_completed_total", 0.0), m.get("vllm:kvlease_accesses_confirmed_total", 0.0)
 
 
 def _work(metrics: dict[str, float]) -> tuple[float, float]:
@@ -181,6 +196,11 @@ def report(args: Any, results: dict[str, list[dict[str, Any]]], work: tuple[floa
           f"{med('kvlease', 'ttft_p90') / med('stock', 'ttft_p90'):12.3f}   (kvlease / stock)")  # fmt: skip
     us, turns = work
     done = sum(r["ok"] for r in results["kvlease"])
+    counted = [r["reads"] for r in results["kvlease"] if r.get("reads") is not None]
+    if counted:
+        reads, confirmed = sum(c[0] for c in counted), sum(c[1] for c in counted)
+        print(f"kvlease's decoder: {confirmed:.0f} of {reads:.0f} reads waited for the producer's confirmation "
+              "(no acknowledged window covered them: one more round trip before the first token)")  # fmt: skip
     if turns:
         print(f"kvlease inside P: {us / turns:.1f} µs per turn of its lease code ({turns:.0f} turns), "
               f"{us / max(done, 1):.0f} µs per completion")  # fmt: skip

@@ -339,6 +339,7 @@ def test_access_done_rides_on_the_read_not_a_separate_send(pinner_side: Driver) 
         # The pinner handled an access-done, and none went through the control plane.
         assert not [m for m in t.sent if isinstance(m, AccessDone)]
         assert p.stats.leases_completed == 1
+        assert (d.stats.accesses_completed, d.stats.accesses_confirmed) == (1, 0)  # covered: no round trip
     finally:
         d.close()
 
@@ -380,6 +381,7 @@ def test_attached_confirmation_is_answered_even_when_the_answer_races_the_comple
         _pump([p, d], lambda: any(isinstance(e, (AccessCompleted, AccessStale)) for e in events), events=events)
         done = [e for e in events if isinstance(e, (AccessCompleted, AccessStale))]
         assert done == [AccessCompleted("c", done[0].lease_id, confirmed_by_pinner=True)], done
+        assert (d.stats.accesses_completed, d.stats.accesses_confirmed) == (1, 1)  # it waited a round trip
         assert into == region
         assert not [m for m in t.sent if isinstance(m, AccessDone)]
     finally:

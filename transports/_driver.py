@@ -709,6 +709,8 @@ class Driver:
                     self._pending.append(out)
                 case AccessCompleted():
                     stats.accesses_completed += 1
+                    if out.confirmed_by_pinner:
+                        stats.accesses_confirmed += 1
                     self._pending.append(out)
                 case AccessStale():
                     stats.stale_reads_caught += 1

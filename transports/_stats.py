@@ -33,6 +33,9 @@ class TransportStats:
     leases_lost: int = 0
     stale_reads_caught: int = 0  # accesses reported stale instead of valid
     accesses_completed: int = 0
+    #: Of those, completed only on the pinner's confirmation: no acknowledged validity window
+    #: covered the access, so its completion waited one more round trip.
+    accesses_confirmed: int = 0
     heartbeats_sent: int = 0
     heartbeat_acks_received: int = 0
     handshakes_sent: int = 0

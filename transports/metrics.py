@@ -60,6 +60,11 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("leases_lost", "leases_lost", "Leases the accessor gave up (expired, unknown, unreachable pinner)."),
     ("stale_reads_caught", "stale_reads_caught", "Accesses reported stale instead of handing reused KV to the engine."),
     ("accesses_completed", "accesses_completed", "Accesses that completed while their lease was provably live."),
+    (
+        "accesses_confirmed",
+        "accesses_confirmed",
+        "Of the completed accesses, those that waited for the pinner's confirmation (one more round trip).",
+    ),
     ("heartbeats_sent", "heartbeats_sent", "Heartbeat messages sent by the accessor."),
     ("heartbeats_received", "heartbeats_received", "Heartbeat messages handled by the pinner."),
     ("heartbeats_rejected", "heartbeats_rejected", "Lease ids in heartbeats that the pinner did not renew."),

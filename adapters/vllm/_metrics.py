@@ -32,6 +32,7 @@ KVLEASE_COUNTERS: dict[str, str] = {
     "leases_lost": "Decoder leases reported lost (the request is recomputed)",
     "stale_reads_caught": "Decoder reads that may have overlapped a free (reported as failed loads)",
     "accesses_completed": "Decoder reads proven inside a valid lease",
+    "accesses_confirmed": "Of those, reads that waited for the producer's confirmation (one more round trip)",
     "heartbeats_sent": "Heartbeat messages sent by the decoder",
     "heartbeats_received": "Heartbeat messages received by the producer (kvlease and stock vLLM)",
     "heartbeat_acks_received": "Heartbeat acknowledgements received by the decoder",
