@@ -322,16 +322,34 @@ class Router:
             self.proc.kill()
 
 
-def start_router(prefills: list[Server], decodes: list[Server], workdir: Path) -> Router:
-    port = free_port()
-    args = [str(VENV_PY), str(ROUTER), "--port", str(port)]
-    args += [a for s in prefills for a in ("--prefill", f"{s.name}={s.url}")]
-    args += [a for s in decodes for a in ("--decode", f"{s.name}={s.url}")]
-    log_path = workdir / "router.log"
-    proc = subprocess.Popen(args, cwd=workdir, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
-    router = Router(proc, port, log_path)
-    wait_until(lambda: get(f"http://127.0.0.1:{port}/health")[0] != 0, 60, "the router to listen")
-    return router
+def start_router(prefills: list[Server], decodes: list[Server], workdir: Path, timeout: float = 180.0) -> Router:
+    """Start the router in front of the servers and wait until it listens. One whose port was
+    taken meanwhile, or that exited, is started again on a new port (`RESPAWNS` times at most);
+    one not listening in `timeout` (a loaded machine: CI once saw 60 s run out) fails with its
+    log."""
+    for attempt in range(RESPAWNS + 1):
+        port = free_port()
+        args = [str(VENV_PY), str(ROUTER), "--port", str(port)]
+        args += [a for s in prefills for a in ("--prefill", f"{s.name}={s.url}")]
+        args += [a for s in decodes for a in ("--decode", f"{s.name}={s.url}")]
+        log_path = workdir / f"router.{attempt}.log"
+        proc = subprocess.Popen(args, cwd=workdir, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
+        router = Router(proc, port, log_path)
+        start = time.monotonic()
+        while get(f"http://127.0.0.1:{port}/health")[0] == 0:
+            if proc.poll() is not None or "address already in use" in router.log().lower():
+                router.stop()
+                why = tail(router.log())
+                print(f"the router on port {port} exited or found its port taken:\n{why}", file=sys.stderr)
+                break
+            if time.monotonic() - start > timeout:
+                router.stop()
+                why = tail(router.log())
+                raise TimeoutError(f"the router did not listen on port {port} within {timeout:.0f} s:\n{why}")
+            time.sleep(0.2)
+        else:
+            return router
+    raise RuntimeError(f"the router failed to start {RESPAWNS + 1} times (logs in {workdir})")
 
 
 class Client(serving.Client):
