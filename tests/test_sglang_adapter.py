@@ -400,6 +400,39 @@ def test_a_write_slower_than_any_timeout_keeps_the_pages(cluster: Cluster) -> No
     c.d.call("clear", room=room)
 
 
+def test_an_abort_while_a_write_outlasts_the_lease_waits_for_its_drain(cluster: Cluster) -> None:
+    # D aborts while P's WRITE runs longer than the lease has left plus the push guard (a WRITE
+    # past the access bound A: SGLang awaits it without a bound). D's release ends the lease at
+    # its expiry + G with no word from P, which is alive and still writing: the pages must wait
+    # for SGLang's own drain ACK, which P sends once the WRITE settled. Before, they went back at
+    # expiry + G and the late WRITE overwrote whatever reused them.
+    c, room = cluster, 127
+    src, dst = [2, 3], [8, 9]
+    bootstrap(c, c.p1, c.port1, room, src, dst, aux=(6, 6))
+    wait_validity(c.p1, room, A)
+    slow = E + G + 3.0
+    c.p1.call("slow_post", seconds=slow, count=1)
+    try:
+        c.p1.call("send", room=room, pages=src)
+        time.sleep(0.15)
+        t_abort = c.d.call("abort", room=room)["t"]
+        freed = c.d.call("wait_release_safe", room=room, within=slow + SLACK + 5)
+        assert freed["safe"], "D's pages never came back (SGLang's drain ACK never counted)"
+        c.d.call("canary", pages=dst, value=80)
+        posts = wait_posted_after(c.p1, t_abort)
+    finally:
+        c.p1.call("slow_post", seconds=0.0)
+    time.sleep(0.3)  # the late WRITE has landed by now
+    pages = c.d.call("pages", pages=dst)["pages"]
+    assert all(pages[str(p)] == [[80], [80]] for p in dst), f"the long WRITE landed in reused pages: {pages}"
+    assert freed["t"] > posts[-1], f"D freed {posts[-1] - freed['t']:.3f}s before the long WRITE was even posted"
+    after = freed["t"] - t_abort
+    print(f"\nabort during a {slow:.1f}s WRITE: D freed {after:.3f}s after the abort (expiry + G is {E + G:.1f}s)")
+    c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=10)
+    c.p1.call("clear", room=room)
+    c.d.call("clear", room=room)
+
+
 def test_a_room_waiting_for_its_lease_does_not_stall_the_worker(cluster: Cluster) -> None:
     # Hole 5: one transfer worker serves many rooms; a room whose lease is not here yet must not
     # hold the rooms queued behind it (it used to sleep in the worker for up to I).

@@ -110,14 +110,31 @@ def test_completions_through_each_router_are_the_reference_text(
 
 
 def test_the_leases_show_in_sglangs_metrics(pair: Pair) -> None:
-    assert pair.complete("return x", 4)[0] == 200
+    """kvlease's counters in SGLang's own ``/metrics``, around one completion: its WRITE went
+    under the gate and its destination lease ended on the access-done. Counted as differences:
+    a lease of an earlier test that ended otherwise (CI, 2026-12-06: five leases of the concurrent
+    completions expired after their rooms had succeeded, on a machine loaded enough to stall the
+    prefill's access-done past E) is not this completion's."""
     time.sleep(1.5)  # the mirror writes at most once a second
+    p0 = http("GET", f"{pair.p_url}/metrics")[1]
+    d0 = http("GET", f"{pair.d_url}/metrics")[1]
+    assert pair.complete("return x", 4)[0] == 200
+    time.sleep(1.5)
     p_text = http("GET", f"{pair.p_url}/metrics")[1]
     d_text = http("GET", f"{pair.d_url}/metrics")[1]
-    assert metric(p_text, "kvlease_sglang_accesses_total") >= 1, p_text[-3000:]
-    assert metric(p_text, "kvlease_sglang_writes_refused_total") == 0
-    assert metric(d_text, "kvlease_leases_completed_total") >= 1, d_text[-3000:]  # ended by the access-done
-    assert metric(d_text, "kvlease_leases_expired_total") == 0
+
+    def grew(text: str, before: str, name: str) -> float:
+        return metric(text, name) - metric(before, name)
+
+    why = "\n".join(line for line in (pair.p.log() + pair.d.log()).splitlines() if "kvlease" in line)[-3000:]
+    if metric(d0, "kvlease_leases_expired_total"):
+        print(
+            f"\nD's destination leases expired before this test: {metric(d0, 'kvlease_leases_expired_total'):g}\n{why}"
+        )
+    assert grew(p_text, p0, "kvlease_sglang_accesses_total") >= 1, p_text[-3000:]
+    assert grew(p_text, p0, "kvlease_sglang_writes_refused_total") == 0, why
+    assert grew(d_text, d0, "kvlease_leases_completed_total") >= 1, d_text[-3000:]  # ended by the access-done
+    assert grew(d_text, d0, "kvlease_leases_expired_total") == 0, why
 
 
 def _orphan(p: Pair, room: int, timeout: float) -> tuple[float, int, str]:

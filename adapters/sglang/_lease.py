@@ -54,6 +54,7 @@ from kvlease import (
     EndReason,
     Free,
     LeaseLost,
+    LeaseState,
     LeaseTicket,
     LocalTime,
     Pinner,
@@ -213,6 +214,11 @@ class LeaseRuntime:
         self._source_asked: collections.OrderedDict[int, list[str]] = collections.OrderedDict()
         self._dest_closing: set[int] = set()  # rooms the decode cleared while a lease was live
         self._dest_expired: set[int] = set()  # rooms a destination lease of which expired
+        #: Destination leases this decode released while promised: lease id -> its expiry then.
+        #: One that ends at that expiry or later (no word from the prefill ended it: a WRITE of
+        #: it may still be running, longer than the access bound) puts its room in `_dest_drain`.
+        self._released_expiry: dict[int, LocalTime] = {}
+        self._dest_drain: set[int] = set()  # rooms whose pages wait for SGLang's drain ACK too
         # accessor side
         self._held: dict[int, dict[str, _Held]] = {}  # room -> key -> the lease renewed here
         #: Decode: room -> the prefill ranks asked for its source-lease ticket, until the request
@@ -292,11 +298,14 @@ class LeaseRuntime:
 
     def _translate(self, ev: DriverEvent) -> None:
         match ev:
-            case Free(lease_id=lease_id, key=key, reason=reason):
+            case Free(lease_id=lease_id, key=key, reason=reason, at=at):
                 room = _room_of(key)
+                released_expiry = self._released_expiry.pop(lease_id, None)
                 if room is None:
                     return
                 if key.startswith("d:"):
+                    if released_expiry is not None and at >= released_expiry:
+                        self._dest_drain.add(room)
                     leases = self._dest.get(room)
                     if leases is not None and lease_id in leases:
                         leases[lease_id] = True
@@ -306,9 +315,7 @@ class LeaseRuntime:
                     if leases is not None and all(leases.values()):
                         self._emit("dest_freed", room, reason.value)
                         if room in self._dest_closing:
-                            self._dest_closing.discard(room)
-                            self._dest_expired.discard(room)
-                            del self._dest[room]
+                            self._forget_dest(room)
                 elif key.startswith("s:"):
                     self._source.pop(room, None)
                     if reason is EndReason.EXPIRED:
@@ -741,14 +748,31 @@ class LeaseRuntime:
         else at its expiry plus the push guard."""
         with self._lock:
             for lease_id, freed in self._dest.get(room, {}).items():
-                if not freed:
-                    self.driver.release(lease_id)
+                if freed:
+                    continue
+                info = self.pinner.info(lease_id)
+                if info is not None and info.state is LeaseState.ACTIVE:
+                    # Only this release moves it on: a lease the prefill already gave up as
+                    # posted (held to expiry + G on its word) is not waiting on this decode.
+                    self._released_expiry[lease_id] = info.expiry
+                self.driver.release(lease_id)
         self._flush()
 
     def dest_freed(self, room: int) -> bool:
         """Decode: no destination lease of `room` is live (none granted counts as freed)."""
         with self._lock:
             return all(self._dest.get(room, {}).values())
+
+    def dest_needs_drain(self, room: int) -> bool:
+        """Decode: a destination lease of `room` that this decode released ended only at its
+        expiry (plus the push guard), not on a word from the prefill: the prefill may be alive
+        with a WRITE still running past the access bound A (SGLang awaits its WRITEs without a
+        bound), so the pages also wait for SGLang's own drain acknowledgement (or its
+        deferred-release timeout). A lease that expired unrenewed before any release (a silent,
+        presumed dead prefill), ended on the prefill's access-done or release, or that the
+        prefill had already given up as posted (expiry + G on its word) does not."""
+        with self._lock:
+            return room in self._dest_drain
 
     def dest_decides(self, room: int) -> bool:
         """Decode: the destination leases of `room` decide its fate: one is live (the prefill is
@@ -774,11 +798,16 @@ class LeaseRuntime:
             if leases is None:
                 return
             if all(leases.values()):
-                del self._dest[room]
-                self._dest_closing.discard(room)
-                self._dest_expired.discard(room)
+                self._forget_dest(room)
             else:
                 self._dest_closing.add(room)
+
+    def _forget_dest(self, room: int) -> None:
+        for lease_id in self._dest.pop(room, {}):
+            self._released_expiry.pop(lease_id, None)
+        self._dest_closing.discard(room)
+        self._dest_expired.discard(room)
+        self._dest_drain.discard(room)
 
     def ask_source(self, room: int, prefill_ip: str, prefill_port: int) -> None:
         """Decode: the request is admitted: ask the prefill rank for its source-lease ticket, to

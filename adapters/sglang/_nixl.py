@@ -105,6 +105,8 @@ def _set_chunk(room: int | None, last: bool) -> None:
     _chunk.marked = set()
     _chunk.pending = []
     _chunk.raised = False
+    _chunk.refused = False  # the gate refused a WRITE of this chunk: it was never posted
+    _chunk.unsettled = False  # SGLang gave up awaiting a posted WRITE of this chunk
     _chunk.peers = None
     _chunk.infos = None
 
@@ -265,6 +267,9 @@ class LeaseManagerMixin(_ManagerBase):  # type: ignore[misc]
             return
         status = self.request_status.get(ev.room)
         if status is None or status in (KVPoll.Success, KVPoll.Failed):
+            # Nothing to fail; said, since it is a late word from the other side (for one: the
+            # prefill's access-done reached this decode after the lease's expiry).
+            logger.info("kvlease: room %s, already concluded (%s): %s", ev.room, status, ev.reason)
             return
         logger.warning("kvlease: room %s fails: %s", ev.room, ev.reason)
         if self.disaggregation_mode == DisaggregationMode.PREFILL and ev.room in self.transfer_infos:
@@ -386,6 +391,7 @@ class LeaseManagerMixin(_ManagerBase):  # type: ignore[misc]
             raise _NixlPostError("kvlease: WRITE not started: posted outside a transfer worker's chunk")
         reason = rt.gate(room, self._kvlease_peers(room), _chunk.marked)
         if reason is not None:
+            _chunk.refused = True
             raise _NixlPostError(f"kvlease: WRITE not started: {reason}")
         try:
             super()._post_xfer(xfer_handle, error_msg)
@@ -396,6 +402,8 @@ class LeaseManagerMixin(_ManagerBase):  # type: ignore[misc]
 
     def _await_handles(self, handles: list[Any], *, failure_seen: bool) -> tuple[bool, bool]:
         settled, failed = super()._await_handles(handles, failure_seen=failure_seen)
+        if not settled:
+            _chunk.unsettled = True
         rt = self._kvlease
         room = getattr(_chunk, "room", None)
         if rt is not None and room is not None and _chunk.marked:
@@ -428,8 +436,16 @@ class LeaseManagerMixin(_ManagerBase):  # type: ignore[misc]
             # SGLang cannot prove the room drained (a post raised, or a handle never settled):
             # the accesses end as posted failures, whatever settles later.
             rt.taint(room)
-            if getattr(_chunk, "room", None) == room and _chunk.marked:
+            ours = getattr(_chunk, "room", None) == room
+            if ours and _chunk.marked:
                 self._kvlease_settle(rt, room, clean=False)
+            if ours and _chunk.refused and not _chunk.unsettled:
+                # SGLang poisons the drain ACK because "the rejected request's writes may
+                # still land"; a WRITE the gate refused was never posted, and the chunk's
+                # posted ones settled before this call: the ACK, sent once every chunk of the
+                # room drained, stays true. Poisoned, it would leave a decode that waits for
+                # it (`is_abort_release_safe`) to SGLang's deferred-release timeout.
+                return
         super().poison_deferred_ack_room(room)
 
     # -- decode: the release gate ---------------------------------------------------------
@@ -438,7 +454,13 @@ class LeaseManagerMixin(_ManagerBase):  # type: ignore[misc]
         rt = self._kvlease
         if rt is None or not rt.settings.dest_lease:
             return bool(super().is_abort_release_safe(bootstrap_room, required_acks))
-        return rt.dest_freed(bootstrap_room)
+        if not rt.dest_freed(bootstrap_room):
+            return False
+        if rt.dest_needs_drain(bootstrap_room):
+            # The lease ran out after this decode's abort with no word from a prefill that
+            # may be alive and still writing: SGLang's drain ACK (or its timeout) decides.
+            return bool(super().is_abort_release_safe(bootstrap_room, required_acks))
+        return True
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         super().clear_deferred_abort_state(bootstrap_room)
