@@ -171,9 +171,31 @@ class Pair:
                   "--disaggregation-bootstrap-port", str(ports[5]), "--engine-info-bootstrap-port", str(ports[6]),
                   "--disaggregation-decode-retraction-backup", "cpu_tensor"]  # fmt: skip
         self._t0 = time.time()
+        self._d_args = d_args
         self.p = Server(f"{self.kind} prefill", p_args, self.env, self.tmp / f"{self.kind}-prefill.log")
         self.d = Server(f"{self.kind} decode", d_args, self.env, self.tmp / f"{self.kind}-decode.log")
         self.servers = [self.p, self.d]
+
+    def restart_decode(self) -> float:
+        """Start D again (after a kill), on the same ports, and wait until it is healthy and a
+        completion through the router works again: seconds that took."""
+        t0 = time.time()
+        self.d.kill()
+        self.d = Server(f"{self.kind} decode", self._d_args, self.env, self.tmp / f"{self.kind}-decode-2.log")
+        self.servers = [self.p, self.d, *self.servers[2:]]
+        wait_until(
+            f"{self.kind} D healthy again",
+            lambda: http("GET", f"{self.d_url}/health", timeout=5)[0] == 200,
+            400,
+            [self.d],
+        )
+        wait_until(
+            f"a completion through the {self.kind} router after D's restart",
+            lambda: self.complete("def f(x):", 2)[0] == 200,
+            300,
+            self.servers,
+        )
+        return time.time() - t0
 
     def route(self) -> None:
         """Wait for P and D, start the router, wait for a completion through it."""

@@ -21,12 +21,14 @@ model made once into ``build/``), more under load. ``KVLEASE_SGLANG_PAIR=0`` ski
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai_serving as serving
 import pytest
@@ -187,6 +189,139 @@ def _deferred_releases(d_url: str) -> dict[str, float]:
             if line.startswith("sglang:decode_deferred_kv_release_total{") and f'outcome="{outcome}"' in line
         )
     return out
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _abort_decode_mid_write(p: Pair, client: serving.Client, hold: float, within: float) -> dict[str, float | str]:
+    """Hold P's next WRITE `hold` seconds, send a completion through the router, and once the
+    WRITE is held abort every request on D (SGLang's ``/abort_request``); then watch D until it let
+    the request's pages go (a deferred release resolved) and P's held WRITE until it was posted
+    (it lands a moment later): seconds after the abort of each, and the outcome."""
+    folder = p.straggle
+    assert folder is not None
+    before = _deferred_releases(p.d_url)
+    held0, posted0 = len(_lines(folder / "held")), len(_lines(folder / "posted"))
+    (folder / "arm").write_text(f"{hold:g}")
+    try:
+        answer = client.submit(f"{p.r_url}/v1", "def aborted(x):", TOKENS, extra_body={"ignore_eos": True})
+        wait_until(f"{p.kind}: P's WRITE held", lambda: len(_lines(folder / "held")) > held0, 120, p.servers)
+    finally:
+        (folder / "arm").unlink()  # only the victim's WRITE straggles
+    time.sleep(0.3)
+    t_abort = time.time()
+    status, body = http("POST", f"{p.d_url}/abort_request", {"abort_all": True}, timeout=30)
+    assert status == 200, f"{p.kind}: D's /abort_request answered {status}: {body[:300]}"
+    seen: dict[str, float | str] = {}
+    deadline = t_abort + within
+    while time.time() < deadline and not ("released" in seen and "posted" in seen):
+        if "released" not in seen:
+            now = _deferred_releases(p.d_url)
+            gained = [k for k in now if now[k] > before[k]]
+            if gained:
+                seen["released"] = time.time() - t_abort
+                seen["outcome"] = gained[0]
+        if "posted" not in seen:
+            posted = _lines(folder / "posted")
+            if len(posted) > posted0:
+                seen["posted"] = float(posted[posted0].split()[0]) - t_abort
+        time.sleep(0.1)
+    with contextlib.suppress(Exception):
+        seen["status"] = answer.result(timeout=60)["status"]
+    return seen
+
+
+def test_decode_aborts_mid_write(pairs: dict[str, Pair]) -> None:
+    """D aborts a request while P's WRITE into its pages is held in flight longer than the
+    lease's expiry plus the push guard (E + G = 6 s here; the WRITE is posted 12 s late, within
+    SGLang's 30 s deferred-release timeout). D must keep the pages until the WRITE has landed:
+    polled every 0.1 s, D's deferred release may resolve only after the WRITE was posted. Stock
+    SGLang waits for P's drain ACK; the plugin (before issue 23's drain rule) let them go at
+    expiry + G, 6 s before the WRITE landed."""
+    hold = 12.0
+    client = serving.Client(python=SGLANG_PY)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = {kind: pool.submit(_abort_decode_mid_write, p, client, hold, 90.0) for kind, p in pairs.items()}
+            seen = {kind: f.result() for kind, f in futures.items()}
+    finally:
+        client.close()
+    print(f"\ndecode aborted mid-WRITE (held {hold:g} s), seconds after the abort: {seen}")
+    for kind, got in seen.items():
+        p = pairs[kind]
+        why = f"{kind}: {got}\n{p.d.log()[-2000:]}"
+        assert "posted" in got, f"the held WRITE was never posted: {why}"
+        if kind == "stock":
+            continue  # the baseline, printed: SGLang's own drain ACK
+        assert "released" in got, f"D never let the aborted request's pages go: {why}"
+        assert float(got["released"]) >= float(got["posted"]), f"D let its pages go before the WRITE landed: {why}"
+        assert got["outcome"] == "drained", why
+    # The pairs still serve afterwards: the straggling WRITE left nothing behind.
+    for kind, p in pairs.items():
+        assert p.complete("x = 1", 4)[0] == 200, kind
+
+
+def _inflight(p_url: str) -> float:
+    """P's requests whose KV it still holds for a transfer (SGLang's inflight queue)."""
+    return metric(http("GET", f"{p_url}/metrics", timeout=10)[1], "sglang:num_prefill_inflight_queue_reqs")
+
+
+def _kill_decode_mid_write(p: Pair, client: serving.Client, hold: float, within: float) -> dict[str, float | str]:
+    """Hold P's next WRITE `hold` seconds, send a completion through the router, SIGKILL D once
+    the WRITE is held, and watch P until its inflight queue (the requests whose KV it holds for a
+    transfer) is empty again: seconds after the kill of each thing seen."""
+    folder = p.straggle
+    assert folder is not None
+    held0 = len(_lines(folder / "held"))
+    (folder / "arm").write_text(f"{hold:g}")
+    try:
+        answer = client.submit(f"{p.r_url}/v1", "def orphaned(x):", TOKENS, extra_body={"ignore_eos": True})
+        wait_until(f"{p.kind}: P's WRITE held", lambda: len(_lines(folder / "held")) > held0, 120, p.servers)
+    finally:
+        (folder / "arm").unlink()
+    wait_until(f"{p.kind}: P's request in its inflight queue", lambda: _inflight(p.p_url) > 0, 30, p.servers)
+    t_kill = time.time()
+    p.d.kill()
+    seen: dict[str, float | str] = {}
+    deadline = t_kill + within
+    while time.time() < deadline and not ("freed" in seen and "answered" in seen):
+        if "answered" not in seen and answer.done():
+            seen["answered"] = time.time() - t_kill
+            seen["status"] = answer.result()["status"]
+        if "freed" not in seen and _inflight(p.p_url) == 0:
+            seen["freed"] = time.time() - t_kill
+        time.sleep(0.25)
+    return seen
+
+
+def test_decode_sigkilled_mid_write(pairs: dict[str, Pair]) -> None:
+    """D dies while P's WRITE into its pages is held in flight (the straggler plugin holds it
+    `hold` s; D's process group SIGKILLed): how long P keeps the request's KV. With the plugin,
+    P's source lease, which D no longer renews, expires and fails the room: within E + I of the
+    kill. Stock SGLang waits on the WRITE: at least until it is posted (then UCX reports the dead
+    peer, or not). D is started again afterwards, on the same ports, for the next test."""
+    hold = 20.0
+    client = serving.Client(python=SGLANG_PY)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = {kind: pool.submit(_kill_decode_mid_write, p, client, hold, 90.0) for kind, p in pairs.items()}
+            seen = {kind: f.result() for kind, f in futures.items()}
+            restarts = {kind: pool.submit(p.restart_decode) for kind, p in pairs.items()}
+            took = {kind: f.result() for kind, f in restarts.items()}
+    finally:
+        client.close()
+    print(f"\ndecode SIGKILLed mid-WRITE (held {hold:g} s), seconds after the kill: {seen}; D restarted in {took}")
+    mine = seen["kvlease"]
+    p_log = "\n".join(line for line in pairs["kvlease"].p.log().splitlines() if "kvlease" in line)[-2000:]
+    assert "freed" in mine, f"kvlease: P never let the dead decode's request go: {mine}\n{p_log}"
+    bound = D_LEASE * 2 / 3 + D_LEASE / 6  # E + I: a dead decode's source lease fails its room
+    assert float(mine["freed"]) <= bound + SLACK, f"{mine}: bound E + I = {bound:.1f} s\n{p_log}"
+    assert mine.get("status") != 200, f"kvlease: a request whose decode died was answered 200: {mine}"
 
 
 def _kill_prefill_mid_write(p: Pair, client: serving.Client, within: float) -> dict[str, float | str]:

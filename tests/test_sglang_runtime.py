@@ -261,6 +261,8 @@ def test_dead_prefill_frees_decode_pages_within_bound(pd: tuple[Side, Side]) -> 
     assert [ev.reason for _t, ev in d.events if ev.kind == "fail"] == [
         "kvlease: destination-page lease expired (prefill silent)"
     ]
+    d.rt.release_dest(room)  # what D does with the failed room: nothing is live to release
+    assert not d.rt.dest_needs_drain(room), "a silent (dead) prefill is not waited for"
 
 
 def test_aborted_room_waits_for_the_write_in_flight(pd: tuple[Side, Side]) -> None:
@@ -279,6 +281,28 @@ def test_aborted_room_waits_for_the_write_in_flight(pd: tuple[Side, Side]) -> No
     p.rt.settle(room, marked, clean=True)  # the late WRITE landed: its access-done ends the lease
     wait_for(lambda: d.rt.dest_freed(room))
     assert time.monotonic() - t_release < E + G
+    assert not d.rt.dest_needs_drain(room), "P's access-done said no WRITE can land: no drain ACK needed"
+
+
+def test_an_abort_while_a_write_outlasts_the_lease_needs_the_drain(pd: tuple[Side, Side]) -> None:
+    # D's release runs the lease to its expiry + G with no word from P, whose WRITE is still
+    # running (past A): the lease alone no longer says no WRITE can land, so SGLang's drain ACK
+    # must too (`is_abort_release_safe`); the mark outlives the receiver's clear and goes when
+    # SGLang's deferred release is done.
+    p, d = pd
+    room = 19
+    grant(d, p, room)
+    acked(p, room, peer(d))
+    marked: set[str] = set()
+    assert p.rt.gate(room, peer(d), marked) is None  # a WRITE runs from now on, and keeps running
+    d.rt.release_dest(room)
+    d.rt.forget_dest(room)  # SGLang clears the receiver at the abort and holds the pages after
+    wait_for(lambda: d.rt.dest_freed(room), timeout=E + G + 2)
+    assert d.rt.dest_needs_drain(room)
+    d.rt.release_resolved(room)
+    assert not d.rt.dest_needs_drain(room)
+    p.rt.settle(room, marked, clean=True)
+    p.rt.end_write(room, True)
 
 
 def test_closing_a_room_with_no_write_in_flight_frees_at_once(pd: tuple[Side, Side]) -> None:
@@ -295,6 +319,7 @@ def test_closing_a_room_with_no_write_in_flight_frees_at_once(pd: tuple[Side, Si
         p.rt.close_room(room)
         wait_for(lambda r=room: d.rt.dest_freed(r))
         assert time.monotonic() - t < 3 * I, "no WRITE could land, yet D waited"
+        assert not d.rt.dest_needs_drain(room)
 
 
 def test_a_write_of_unknown_outcome_holds_the_pages_to_expiry_plus_guard(pd: tuple[Side, Side]) -> None:

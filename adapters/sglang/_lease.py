@@ -218,7 +218,10 @@ class LeaseRuntime:
         #: One that ends at that expiry or later (no word from the prefill ended it: a WRITE of
         #: it may still be running, longer than the access bound) puts its room in `_dest_drain`.
         self._released_expiry: dict[int, LocalTime] = {}
-        self._dest_drain: set[int] = set()  # rooms whose pages wait for SGLang's drain ACK too
+        #: Rooms whose pages wait for SGLang's drain ACK too. Kept past the receiver's clear
+        #: (SGLang clears it at the abort, then holds the pages): dropped when SGLang's deferred
+        #: release of the room is done (`release_resolved`), the oldest first past MAX_REMEMBERED.
+        self._dest_drain: collections.OrderedDict[int, None] = collections.OrderedDict()
         # accessor side
         self._held: dict[int, dict[str, _Held]] = {}  # room -> key -> the lease renewed here
         #: Decode: room -> the prefill ranks asked for its source-lease ticket, until the request
@@ -305,7 +308,9 @@ class LeaseRuntime:
                     return
                 if key.startswith("d:"):
                     if released_expiry is not None and at >= released_expiry:
-                        self._dest_drain.add(room)
+                        self._dest_drain[room] = None
+                        while len(self._dest_drain) > MAX_REMEMBERED:
+                            self._dest_drain.popitem(last=False)
                     leases = self._dest.get(room)
                     if leases is not None and lease_id in leases:
                         leases[lease_id] = True
@@ -807,7 +812,11 @@ class LeaseRuntime:
             self._released_expiry.pop(lease_id, None)
         self._dest_closing.discard(room)
         self._dest_expired.discard(room)
-        self._dest_drain.discard(room)
+
+    def release_resolved(self, room: int) -> None:
+        """Decode: SGLang's deferred release of `room` is done (its pages went back)."""
+        with self._lock:
+            self._dest_drain.pop(room, None)
 
     def ask_source(self, room: int, prefill_ip: str, prefill_port: int) -> None:
         """Decode: the request is admitted: ask the prefill rank for its source-lease ticket, to

@@ -466,6 +466,7 @@ class LeaseManagerMixin(_ManagerBase):  # type: ignore[misc]
         super().clear_deferred_abort_state(bootstrap_room)
         if self._kvlease is not None:
             self._kvlease.forget_dest(bootstrap_room)
+            self._kvlease.release_resolved(bootstrap_room)
 
 
 class LeaseSenderMixin(_SenderBase):  # type: ignore[misc]
