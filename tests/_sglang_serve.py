@@ -153,7 +153,7 @@ class Pair:
             self.env["SGLANG_PLUGINS"] += ",straggler"
             self.env["KVLEASE_TEST_STRAGGLE_DIR"] = str(straggle)
         self.servers: list[Server] = []
-        self.t_servers = self.t_ready = 0.0
+        self.t_servers = self.t_ready = self._t_respawn = 0.0
 
     def start(self) -> None:
         """Start P and D (returns at once; `route` waits for them)."""
@@ -176,13 +176,18 @@ class Pair:
         self.d = Server(f"{self.kind} decode", d_args, self.env, self.tmp / f"{self.kind}-decode.log")
         self.servers = [self.p, self.d]
 
-    def restart_decode(self) -> float:
-        """Start D again (after a kill), on the same ports, and wait until it is healthy and a
-        completion through the router works again: seconds that took."""
-        t0 = time.time()
+    def respawn_decode(self) -> None:
+        """Start D again (after a kill), on the same ports. Call it from the main thread: the
+        child dies with the thread that started it (``PR_SET_PDEATHSIG``), so a pool thread's
+        exit would kill it."""
+        self._t_respawn = time.time()
         self.d.kill()
         self.d = Server(f"{self.kind} decode", self._d_args, self.env, self.tmp / f"{self.kind}-decode-2.log")
         self.servers = [self.p, self.d, *self.servers[2:]]
+
+    def wait_decode(self) -> float:
+        """After `respawn_decode`: wait until D is healthy and a completion through the router
+        works again (the router keeps D's address); seconds since the respawn."""
         wait_until(
             f"{self.kind} D healthy again",
             lambda: http("GET", f"{self.d_url}/health", timeout=5)[0] == 200,
@@ -195,7 +200,7 @@ class Pair:
             300,
             self.servers,
         )
-        return time.time() - t0
+        return time.time() - self._t_respawn
 
     def route(self) -> None:
         """Wait for P and D, start the router, wait for a completion through it."""

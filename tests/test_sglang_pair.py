@@ -11,12 +11,13 @@ shim; OpenAI completions (the ``openai`` library) through each router, every tex
 ``transformers`` run's and the same on both pairs; kvlease's figures in SGLang's own ``/metrics``;
 and a request no decode ever admits, which stock SGLang holds for
 ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (300 s: shown still held after the plugin's bound)
-and the plugin fails at its source lease's duration ``d``. Last, each pair's prefill is
-SIGKILLed while its WRITE into the decode's pages is held in flight (the test-only straggler
-plugin, tests/sglang_straggler): what each decode does with those pages, and when.
+and the plugin fails at its source lease's duration ``d``. Then three faults while P's WRITE into
+the decode's pages is held in flight (the test-only straggler plugin, tests/sglang_straggler):
+D aborts the request (D must keep the pages until the WRITE landed), D is SIGKILLed (how long P
+keeps the request's KV; D is started again after), P is SIGKILLed (when D lets the pages go).
 
-Cost: about 2-3 minutes on an idle 2-core machine (start-up of both pairs together ~90 s, the
-model made once into ``build/``), more under load. ``KVLEASE_SGLANG_PAIR=0`` skips the module.
+Cost: about 6-8 minutes on an idle 2-core machine (start-up of both pairs together ~90 s, the
+decodes' restart as long again, the model made once into ``build/``), 13 under load. ``KVLEASE_SGLANG_PAIR=0`` skips the module.
 """
 
 from __future__ import annotations
@@ -309,9 +310,11 @@ def test_decode_sigkilled_mid_write(pairs: dict[str, Pair]) -> None:
     client = serving.Client(python=SGLANG_PY)
     try:
         with ThreadPoolExecutor(2) as pool:
-            futures = {kind: pool.submit(_kill_decode_mid_write, p, client, hold, 90.0) for kind, p in pairs.items()}
+            futures = {kind: pool.submit(_kill_decode_mid_write, p, client, hold, 45.0) for kind, p in pairs.items()}
             seen = {kind: f.result() for kind, f in futures.items()}
-            restarts = {kind: pool.submit(p.restart_decode) for kind, p in pairs.items()}
+            for p in pairs.values():
+                p.respawn_decode()  # from this thread: D dies with the thread that starts it
+            restarts = {kind: pool.submit(p.wait_decode) for kind, p in pairs.items()}
             took = {kind: f.result() for kind, f in restarts.items()}
     finally:
         client.close()
