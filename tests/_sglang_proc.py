@@ -306,6 +306,8 @@ def main() -> None:
                 state["slow"] = cmd["seconds"]
                 state["slow_left"] = cmd.get("count", -1)
                 answer({"ok": True})
+            elif op == "poisoned":  # SGLang gave the room's drain ACK up (poison_deferred_ack_room)
+                answer({"ok": True, "poisoned": cmd["room"] in mgr._deferred_ack_poisoned_rooms})
             elif op == "posts":
                 answer({"ok": True, "posts": posts})
             elif op == "fail_post":  # the post `after` posts from now raises; its WRITE lands `late` s later

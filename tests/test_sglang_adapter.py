@@ -326,6 +326,7 @@ def test_a_post_error_holds_the_pages_to_expiry_plus_guard(cluster: Cluster, las
     t_send = c.p1.call("send", room=room, pages=src if last else src[:2])["t"]
     st = c.p1.call("wait", room=room, statuses=["Failed", "Success"], within=10)
     assert st["status"] == "Failed", st
+    assert c.p1.call("poisoned", room=room)["poisoned"], "a real post error must poison SGLang's drain ACK"
     c.p1.call("clear", room=room)
     assert c.d.call("wait", room=room, statuses=["Failed", "Success"], within=10)["status"] == "Failed"
     freed = c.d.call("wait_release_safe", room=room, within=E + G + SLACK + 2)
@@ -497,6 +498,9 @@ def test_every_write_is_gated_not_only_a_chunks_first(cluster: Cluster) -> None:
     st = c.p1.call("wait", room=room, statuses=["Success", "Failed"], within=10)
     assert st["status"] == "Failed" and "kvlease: WRITE not started" in (st["failure"] or ""), st
     assert len(c.p1.call("posts")["posts"]) == n_posts + 1, "the chunk's late WRITE was posted outside the window"
+    # The refused WRITE was never posted: SGLang's drain ACK stays true, so it is not poisoned
+    # (a decode waiting for it would otherwise sit out SGLang's 30 s deferred-release timeout).
+    assert not c.p1.call("poisoned", room=room)["poisoned"], "the gate's own refusal poisoned the drain ACK"
     c.p1.call("clear", room=room)
     assert c.d.call("wait", room=room, statuses=["Failed", "Success"], within=10)["status"] == "Failed"
     c.d.call("clear", room=room)

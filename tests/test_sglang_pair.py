@@ -17,19 +17,20 @@ D aborts the request (D must keep the pages until the WRITE landed), D is SIGKIL
 keeps the request's KV; D is started again after), P is SIGKILLed (when D lets the pages go).
 
 Cost: about 6-8 minutes on an idle 2-core machine (start-up of both pairs together ~90 s, the
-decodes' restart as long again, the model made once into ``build/``), 13 under load. ``KVLEASE_SGLANG_PAIR=0`` skips the module.
+decodes' restart as long again, the model made once into ``build/``), 13 under load.
+``KVLEASE_SGLANG_PAIR=0`` skips the module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import openai_serving as serving
 import pytest
@@ -199,42 +200,75 @@ def _lines(path: Path) -> list[str]:
         return []
 
 
-def _abort_decode_mid_write(p: Pair, client: serving.Client, hold: float, within: float) -> dict[str, float | str]:
-    """Hold P's next WRITE `hold` seconds, send a completion through the router, and once the
-    WRITE is held abort every request on D (SGLang's ``/abort_request``); then watch D until it let
-    the request's pages go (a deferred release resolved) and P's held WRITE until it was posted
-    (it lands a moment later): seconds after the abort of each, and the outcome."""
+Seen = dict[str, float | str]
+
+
+def _send_with_write_held(p: Pair, client: serving.Client, prompt: str, hold: float) -> Future[dict[str, Any]]:
+    """A completion through `p`'s router whose WRITE into D's pages P holds `hold` seconds (the
+    straggler plugin; only that WRITE: the next ones go at once), once that WRITE is held."""
     folder = p.straggle
     assert folder is not None
-    before = _deferred_releases(p.d_url)
-    held0, posted0 = len(_lines(folder / "held")), len(_lines(folder / "posted"))
+    held0 = len(_lines(folder / "held"))
     (folder / "arm").write_text(f"{hold:g}")
     try:
-        answer = client.submit(f"{p.r_url}/v1", "def aborted(x):", TOKENS, extra_body={"ignore_eos": True})
+        answer = client.submit(f"{p.r_url}/v1", prompt, TOKENS, extra_body={"ignore_eos": True})
         wait_until(f"{p.kind}: P's WRITE held", lambda: len(_lines(folder / "held")) > held0, 120, p.servers)
     finally:
-        (folder / "arm").unlink()  # only the victim's WRITE straggles
-    time.sleep(0.3)
-    t_abort = time.time()
-    status, body = http("POST", f"{p.d_url}/abort_request", {"abort_all": True}, timeout=30)
-    assert status == 200, f"{p.kind}: D's /abort_request answered {status}: {body[:300]}"
-    seen: dict[str, float | str] = {}
-    deadline = t_abort + within
-    while time.time() < deadline and not ("released" in seen and "posted" in seen):
+        (folder / "arm").unlink()
+    return answer
+
+
+def _watch(
+    answer: Future[dict[str, Any]], t0: float, within: float, wanted: set[str], probe: Callable[[Seen], None]
+) -> Seen:
+    """Until `within` after `t0` or every key of `wanted` is seen: the answer (``answered``, its
+    ``status``) and what `probe` adds, each in seconds after `t0`."""
+    seen: Seen = {}
+    while time.time() < t0 + within and not wanted <= seen.keys():
+        if "answered" not in seen and answer.done():
+            seen["answered"] = time.time() - t0
+            seen["status"] = answer.result()["status"]
+        probe(seen)
+        time.sleep(0.1)
+    return seen
+
+
+def _released(p: Pair, t0: float) -> Callable[[Seen], None]:
+    """A `_watch` probe: D's deferred release of a held room resolved (``released``, ``outcome``)."""
+    before = _deferred_releases(p.d_url)
+
+    def probe(seen: Seen) -> None:
         if "released" not in seen:
             now = _deferred_releases(p.d_url)
             gained = [k for k in now if now[k] > before[k]]
             if gained:
-                seen["released"] = time.time() - t_abort
+                seen["released"] = time.time() - t0
                 seen["outcome"] = gained[0]
-        if "posted" not in seen:
-            posted = _lines(folder / "posted")
-            if len(posted) > posted0:
-                seen["posted"] = float(posted[posted0].split()[0]) - t_abort
-        time.sleep(0.1)
-    with contextlib.suppress(Exception):
-        seen["status"] = answer.result(timeout=60)["status"]
-    return seen
+
+    return probe
+
+
+def _abort_decode_mid_write(p: Pair, client: serving.Client, hold: float, within: float) -> Seen:
+    """Abort every request on D (SGLang's ``/abort_request``) while P holds the WRITE of one;
+    watch D until it let the request's pages go (a deferred release resolved) and P's held WRITE
+    until it was posted (it lands a moment later): seconds after the abort of each."""
+    folder = p.straggle
+    assert folder is not None
+    posted0 = len(_lines(folder / "posted"))
+    answer = _send_with_write_held(p, client, "def aborted(x):", hold)
+    time.sleep(0.3)
+    t_abort = time.time()
+    released = _released(p, t_abort)  # counted from before the abort
+    status, body = http("POST", f"{p.d_url}/abort_request", {"abort_all": True}, timeout=30)
+    assert status == 200, f"{p.kind}: D's /abort_request answered {status}: {body[:300]}"
+
+    def probe(seen: Seen) -> None:
+        released(seen)
+        posted = _lines(folder / "posted")
+        if "posted" not in seen and len(posted) > posted0:
+            seen["posted"] = float(posted[posted0].split()[0]) - t_abort
+
+    return _watch(answer, t_abort, within, {"released", "posted", "answered"}, probe)
 
 
 def test_decode_aborts_mid_write(pairs: dict[str, Pair]) -> None:
@@ -272,32 +306,19 @@ def _inflight(p_url: str) -> float:
     return metric(http("GET", f"{p_url}/metrics", timeout=10)[1], "sglang:num_prefill_inflight_queue_reqs")
 
 
-def _kill_decode_mid_write(p: Pair, client: serving.Client, hold: float, within: float) -> dict[str, float | str]:
-    """Hold P's next WRITE `hold` seconds, send a completion through the router, SIGKILL D once
-    the WRITE is held, and watch P until its inflight queue (the requests whose KV it holds for a
-    transfer) is empty again: seconds after the kill of each thing seen."""
-    folder = p.straggle
-    assert folder is not None
-    held0 = len(_lines(folder / "held"))
-    (folder / "arm").write_text(f"{hold:g}")
-    try:
-        answer = client.submit(f"{p.r_url}/v1", "def orphaned(x):", TOKENS, extra_body={"ignore_eos": True})
-        wait_until(f"{p.kind}: P's WRITE held", lambda: len(_lines(folder / "held")) > held0, 120, p.servers)
-    finally:
-        (folder / "arm").unlink()
+def _kill_decode_mid_write(p: Pair, client: serving.Client, hold: float, within: float) -> Seen:
+    """SIGKILL D while P holds the WRITE of one request, and watch P until its inflight queue
+    (the requests whose KV it holds for a transfer) is empty again: seconds after the kill."""
+    answer = _send_with_write_held(p, client, "def orphaned(x):", hold)
     wait_until(f"{p.kind}: P's request in its inflight queue", lambda: _inflight(p.p_url) > 0, 30, p.servers)
     t_kill = time.time()
     p.d.kill()
-    seen: dict[str, float | str] = {}
-    deadline = t_kill + within
-    while time.time() < deadline and not ("freed" in seen and "answered" in seen):
-        if "answered" not in seen and answer.done():
-            seen["answered"] = time.time() - t_kill
-            seen["status"] = answer.result()["status"]
+
+    def freed(seen: Seen) -> None:
         if "freed" not in seen and _inflight(p.p_url) == 0:
             seen["freed"] = time.time() - t_kill
-        time.sleep(0.25)
-    return seen
+
+    return _watch(answer, t_kill, within, {"freed", "answered"}, freed)
 
 
 def test_decode_sigkilled_mid_write(pairs: dict[str, Pair]) -> None:
@@ -327,32 +348,16 @@ def test_decode_sigkilled_mid_write(pairs: dict[str, Pair]) -> None:
     assert mine.get("status") != 200, f"kvlease: a request whose decode died was answered 200: {mine}"
 
 
-def _kill_prefill_mid_write(p: Pair, client: serving.Client, within: float) -> dict[str, float | str]:
-    """Hold P's WRITEs, send a completion through the router, SIGKILL P once its WRITE is held,
+def _kill_prefill_mid_write(p: Pair, client: serving.Client, within: float) -> Seen:
+    """SIGKILL P while it holds the WRITE of one request (to land 10 minutes late: never, here),
     and watch D until it let the request's pages go (a deferred release resolved, or none was
     needed and the request ended): seconds after the kill of each thing seen."""
-    folder = p.straggle
-    assert folder is not None
-    before = _deferred_releases(p.d_url)
-    (folder / "arm").write_text("600")  # the WRITE would land 10 minutes late: never, here
-    answer = client.submit(f"{p.r_url}/v1", "def victim(x):", TOKENS, extra_body={"ignore_eos": True})
-    wait_until(f"{p.kind}: P's WRITE held", lambda: (folder / "held").exists(), 120, p.servers)
+    answer = _send_with_write_held(p, client, "def victim(x):", 600.0)
     time.sleep(0.5)
     t_kill = time.time()
+    released = _released(p, t_kill)
     p.p.kill()
-    seen: dict[str, float | str] = {}
-    deadline = t_kill + within
-    while time.time() < deadline and not ("released" in seen and "answered" in seen):
-        if "answered" not in seen and answer.done():
-            seen["answered"] = time.time() - t_kill
-            seen["status"] = answer.result()["status"]
-        if "released" not in seen:
-            now = _deferred_releases(p.d_url)
-            gained = [k for k in now if now[k] > before[k]]
-            if gained:
-                seen["released"] = time.time() - t_kill
-                seen["outcome"] = gained[0]
-        time.sleep(0.25)
+    seen = _watch(answer, t_kill, within, {"released", "answered"}, released)
     assert http("GET", f"{p.d_url}/health", timeout=10)[0] == 200, f"{p.kind}: D died with its prefill"
     return seen
 
