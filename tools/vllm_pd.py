@@ -530,15 +530,17 @@ class Fleet:
     def _warmed(self, warm: dict[str, Future[dict[str, Any]]]) -> dict[str, int]:
         """Each route's first-contact status. Stock vLLM's push producer can let that first request's
         lease run out before it writes (its handshake took longer than the lease), and its decoder
-        then waits for good (CI, 2026-12-06: the fleet's start-up waited 900 s on it): a stock
-        producer's route gets `stock_hang_s` and counts as 0 (hung, said with the logs), the fleet
-        going on; a kvlease producer's route that does not answer in 600 s fails the start-up."""
+        then waits for good (CI, 2026-12-06: the fleet's start-up waited 900 s on it; here, on
+        2026-12-07, too): a stock producer's route gets two leases and 80 s (one short request;
+        the slowest first contact seen took 16 s) and counts as 0 (hung, said with the logs), the
+        fleet going on; a kvlease producer's route that does not answer in 600 s fails the
+        start-up."""
         start = time.monotonic()
         out: dict[str, int] = {}
         for route, future in warm.items():
             p, d = route.split("->")
             stock = self.servers[p].connector == STOCK
-            bound = self.stock_hang_s if stock else 600.0
+            bound = 2 * self.lease + 80 if stock else 600.0
             try:
                 out[route] = future.result(timeout=max(1.0, start + bound - time.monotonic()))["status"]
             except TimeoutError as exc:
