@@ -305,6 +305,22 @@ def test_an_abort_while_a_write_outlasts_the_lease_needs_the_drain(pd: tuple[Sid
     p.rt.end_write(room, True)
 
 
+def test_a_prefill_silent_since_the_release_is_not_waited_for(pd: tuple[Side, Side]) -> None:
+    # The same release with a WRITE begun, but P dies with it: nothing is heard from P after the
+    # release, so it is presumed dead, as at an expiry: the pages go back at expiry + G, with no
+    # drain ACK to wait for (it would never come).
+    p, d = pd
+    room = 21
+    grant(d, p, room)
+    acked(p, room, peer(d))
+    assert p.rt.gate(room, peer(d), set()) is None
+    p.rt.close()  # P's heartbeats stop
+    time.sleep(0.05)  # what was in flight has arrived
+    d.rt.release_dest(room)
+    wait_for(lambda: d.rt.dest_freed(room), timeout=E + G + 2)
+    assert not d.rt.dest_needs_drain(room), "a prefill silent since the release was waited for"
+
+
 def test_closing_a_room_with_no_write_in_flight_frees_at_once(pd: tuple[Side, Side]) -> None:
     p, d = pd
     for room, begun in ((16, False), (17, True)):

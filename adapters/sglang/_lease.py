@@ -33,6 +33,7 @@ import collections
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -214,10 +215,12 @@ class LeaseRuntime:
         self._source_asked: collections.OrderedDict[int, list[str]] = collections.OrderedDict()
         self._dest_closing: set[int] = set()  # rooms the decode cleared while a lease was live
         self._dest_expired: set[int] = set()  # rooms a destination lease of which expired
-        #: Destination leases this decode released while promised: lease id -> its expiry then.
-        #: One that ends at that expiry or later (no word from the prefill ended it: a WRITE of
-        #: it may still be running, longer than the access bound) puts its room in `_dest_drain`.
-        self._released_expiry: dict[int, LocalTime] = {}
+        #: Destination leases this decode released while promised: lease id -> (its expiry then,
+        #: ``time.monotonic()`` then). One that ends at that expiry or later (no word from the
+        #: prefill ended it) while the prefill was heard from after the release (alive: a WRITE
+        #: of it may still be running, longer than the access bound) puts its room in
+        #: `_dest_drain`. A prefill silent since the release is presumed dead, as at an expiry.
+        self._released_expiry: dict[int, tuple[LocalTime, float]] = {}
         #: Rooms whose pages wait for SGLang's drain ACK too. Kept past the receiver's clear
         #: (SGLang clears it at the abort, then holds the pages): dropped when SGLang's deferred
         #: release of the room is done (`release_resolved`), the oldest first past MAX_REMEMBERED.
@@ -307,7 +310,7 @@ class LeaseRuntime:
                 if room is None:
                     return
                 if key.startswith("d:"):
-                    if released_expiry is not None and at >= released_expiry:
+                    if released_expiry is not None and self._alive_past(key, *released_expiry, at):
                         self._dest_drain[room] = None
                         while len(self._dest_drain) > MAX_REMEMBERED:
                             self._dest_drain.popitem(last=False)
@@ -759,7 +762,7 @@ class LeaseRuntime:
                 if info is not None and info.state is LeaseState.ACTIVE:
                     # Only this release moves it on: a lease the prefill already gave up as
                     # posted (held to expiry + G on its word) is not waiting on this decode.
-                    self._released_expiry[lease_id] = info.expiry
+                    self._released_expiry[lease_id] = (info.expiry, time.monotonic())
                 self.driver.release(lease_id)
         self._flush()
 
@@ -768,12 +771,19 @@ class LeaseRuntime:
         with self._lock:
             return all(self._dest.get(room, {}).values())
 
+    def _alive_past(self, key: str, expiry: LocalTime, released: float, at: LocalTime) -> bool:
+        """Whether the released destination lease `key` ended at its `expiry` or later (not on
+        the prefill's word) while its prefill was heard from after the release at `released`."""
+        prefill = key.split(":", 2)[2]
+        return at >= expiry and self.transport.heard.get(prefill, float("-inf")) > released
+
     def dest_needs_drain(self, room: int) -> bool:
         """Decode: a destination lease of `room` that this decode released ended only at its
         expiry (plus the push guard), not on a word from the prefill: the prefill may be alive
         with a WRITE still running past the access bound A (SGLang awaits its WRITEs without a
         bound), so the pages also wait for SGLang's own drain acknowledgement (or its
-        deferred-release timeout). A lease that expired unrenewed before any release (a silent,
+        deferred-release timeout), if the prefill was heard from after the release. A lease that
+        expired unrenewed before any release or whose prefill went silent at the release (a
         presumed dead prefill), ended on the prefill's access-done or release, or that the
         prefill had already given up as posted (expiry + G on its word) does not."""
         with self._lock:

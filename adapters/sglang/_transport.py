@@ -33,6 +33,7 @@ import collections
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,6 +108,9 @@ class SglangZmqTransport:
         self.dropped = 0
         #: The handle of the latest `start_write` (the runtime pairs it with its lease key).
         self.last_started: int | None = None
+        #: Known peer engine -> ``time.monotonic()`` when a lease frame from it last arrived (as
+        #: its frame claims: before the driver checks a deployment key's tag).
+        self.heard: dict[str, float] = {}
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -168,6 +172,8 @@ class SglangZmqTransport:
                 continue
             rank = int(rank_s)
             if kind == b"F":
+                if eid in self._book:
+                    self.heard[eid] = time.monotonic()
                 out.append(Inbound(eid, rank, payload))
             elif kind == b"H":
                 if len(self._hs_tokens) >= MAX_PENDING_HANDSHAKES:
@@ -285,6 +291,7 @@ class SglangZmqTransport:
     def forget_peer(self, engine_id: str) -> None:
         address = self._book.pop(engine_id, None)
         self._hs_wanted.pop(engine_id, None)
+        self.heard.pop(engine_id, None)
         if address is not None and address not in self._book.values():
             s = self._socks.pop(address, None)
             if s is not None:
