@@ -248,6 +248,17 @@ def _released(p: Pair, t0: float) -> Callable[[Seen], None]:
     return probe
 
 
+def _on_both(pairs: dict[str, Pair], fault: Callable[[Pair, serving.Client], Seen]) -> dict[str, Seen]:
+    """`fault` on each pair at once (one OpenAI client between them): what each saw."""
+    client = serving.Client(python=SGLANG_PY)
+    try:
+        with ThreadPoolExecutor(len(pairs)) as pool:
+            futures = {kind: pool.submit(fault, p, client) for kind, p in pairs.items()}
+            return {kind: f.result() for kind, f in futures.items()}
+    finally:
+        client.close()
+
+
 def _abort_decode_mid_write(p: Pair, client: serving.Client, hold: float, within: float) -> Seen:
     """Abort every request on D (SGLang's ``/abort_request``) while P holds the WRITE of one;
     watch D until it let the request's pages go (a deferred release resolved) and P's held WRITE
@@ -279,13 +290,7 @@ def test_decode_aborts_mid_write(pairs: dict[str, Pair]) -> None:
     SGLang waits for P's drain ACK; the plugin (before issue 23's drain rule) let them go at
     expiry + G, 6 s before the WRITE landed."""
     hold = 12.0
-    client = serving.Client(python=SGLANG_PY)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            futures = {kind: pool.submit(_abort_decode_mid_write, p, client, hold, 90.0) for kind, p in pairs.items()}
-            seen = {kind: f.result() for kind, f in futures.items()}
-    finally:
-        client.close()
+    seen = _on_both(pairs, lambda p, client: _abort_decode_mid_write(p, client, hold, 90.0))
     print(f"\ndecode aborted mid-WRITE (held {hold:g} s), seconds after the abort: {seen}")
     for kind, got in seen.items():
         p = pairs[kind]
@@ -328,17 +333,12 @@ def test_decode_sigkilled_mid_write(pairs: dict[str, Pair]) -> None:
     kill. Stock SGLang waits on the WRITE: at least until it is posted (then UCX reports the dead
     peer, or not). D is started again afterwards, on the same ports, for the next test."""
     hold = 20.0
-    client = serving.Client(python=SGLANG_PY)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            futures = {kind: pool.submit(_kill_decode_mid_write, p, client, hold, 45.0) for kind, p in pairs.items()}
-            seen = {kind: f.result() for kind, f in futures.items()}
-            for p in pairs.values():
-                p.respawn_decode()  # from this thread: D dies with the thread that starts it
-            restarts = {kind: pool.submit(p.wait_decode) for kind, p in pairs.items()}
-            took = {kind: f.result() for kind, f in restarts.items()}
-    finally:
-        client.close()
+    seen = _on_both(pairs, lambda p, client: _kill_decode_mid_write(p, client, hold, 45.0))
+    for p in pairs.values():
+        p.respawn_decode()  # from this thread: D dies with the thread that starts it
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        restarts = {kind: pool.submit(p.wait_decode) for kind, p in pairs.items()}
+        took = {kind: f.result() for kind, f in restarts.items()}
     print(f"\ndecode SIGKILLed mid-WRITE (held {hold:g} s), seconds after the kill: {seen}; D restarted in {took}")
     mine = seen["kvlease"]
     p_log = "\n".join(line for line in pairs["kvlease"].p.log().splitlines() if "kvlease" in line)[-2000:]
@@ -368,13 +368,7 @@ def test_prefill_sigkilled_mid_write(pairs: dict[str, Pair]) -> None:
     ends at its expiry plus the push guard, and SGLang's deferred release lets the pages go on
     it: within E + I + G of the kill. Stock SGLang waits for a drain acknowledgement a dead prefill
     never sends, until its deferred-release timeout (30 s) after it noticed the failure."""
-    client = serving.Client(python=SGLANG_PY)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            futures = {kind: pool.submit(_kill_prefill_mid_write, p, client, 120.0) for kind, p in pairs.items()}
-            seen = {kind: f.result() for kind, f in futures.items()}
-    finally:
-        client.close()
+    seen = _on_both(pairs, lambda p, client: _kill_prefill_mid_write(p, client, 120.0))
     print(f"\nprefill SIGKILLed mid-WRITE, seconds after the kill: {seen}")
     mine = seen["kvlease"]
     d_log = pairs["kvlease"].d.log()[-3000:]

@@ -174,6 +174,16 @@ def acked(p: Side, room: int, peers: list[Peer]) -> None:
     wait_for(lambda: p.rt.ready(room, peers))
 
 
+def begun(p: Side, d: Side, room: int) -> set[str]:
+    """D grants `room`'s destination lease, P's heartbeat is acknowledged, and P's gate begins
+    the access (a WRITE may run from now on): the keys the gate marked."""
+    grant(d, p, room)
+    acked(p, room, peer(d))
+    marked: set[str] = set()
+    assert p.rt.gate(room, peer(d), marked) is None
+    return marked
+
+
 def test_push_lease_ends_with_the_access_done(pd: tuple[Side, Side]) -> None:
     p, d = pd
     room = 7
@@ -216,10 +226,7 @@ def test_a_write_under_an_open_access_is_refused_once_the_window_lapses(pd: tupl
     # S2 per WRITE: the access began in time, but a WRITE posted after the window lapsed is not.
     p, d = pd
     room = 14
-    grant(d, p, room)
-    acked(p, room, peer(d))
-    marked: set[str] = set()
-    assert p.rt.gate(room, peer(d), marked) is None
+    marked = begun(p, d, room)
     d.rt.close()
     time.sleep(E + 0.1)
     assert p.rt.gate(room, peer(d), marked) is not None
@@ -230,10 +237,7 @@ def test_no_timeout_gives_a_running_write_up(pd: tuple[Side, Side]) -> None:
     # transfer timeout) its lease is renewed, and D keeps the pages.
     p, d = pd
     room = 15
-    grant(d, p, room)
-    acked(p, room, peer(d))
-    marked: set[str] = set()
-    assert p.rt.gate(room, peer(d), marked) is None
+    marked = begun(p, d, room)
     time.sleep(4 * (FAST.config.access_time_local + I) + E)
     assert not d.rt.dest_freed(room), "D freed pages while P's WRITE was still in flight"
     assert "fail" not in d.kinds(room) and "fail" not in p.kinds(room)
@@ -268,10 +272,7 @@ def test_dead_prefill_frees_decode_pages_within_bound(pd: tuple[Side, Side]) -> 
 def test_aborted_room_waits_for_the_write_in_flight(pd: tuple[Side, Side]) -> None:
     p, d = pd
     room = 10
-    grant(d, p, room)
-    acked(p, room, peer(d))
-    marked: set[str] = set()
-    assert p.rt.gate(room, peer(d), marked) is None  # a WRITE may be running from now on
+    marked = begun(p, d, room)  # a WRITE may be running from now on
     t_release = time.monotonic()
     d.rt.release_dest(room)  # D aborts: a promised push lease is not freed at once
     p.rt.close_room(room)  # ... and P hears of it: the WRITE in flight keeps the access open
@@ -291,10 +292,7 @@ def test_an_abort_while_a_write_outlasts_the_lease_needs_the_drain(pd: tuple[Sid
     # SGLang's deferred release is done.
     p, d = pd
     room = 19
-    grant(d, p, room)
-    acked(p, room, peer(d))
-    marked: set[str] = set()
-    assert p.rt.gate(room, peer(d), marked) is None  # a WRITE runs from now on, and keeps running
+    marked = begun(p, d, room)  # a WRITE runs from now on, and keeps running
     d.rt.release_dest(room)
     d.rt.forget_dest(room)  # SGLang clears the receiver at the abort and holds the pages after
     wait_for(lambda: d.rt.dest_freed(room), timeout=E + G + 2)
@@ -311,9 +309,7 @@ def test_a_prefill_silent_since_the_release_is_not_waited_for(pd: tuple[Side, Si
     # drain ACK to wait for (it would never come).
     p, d = pd
     room = 21
-    grant(d, p, room)
-    acked(p, room, peer(d))
-    assert p.rt.gate(room, peer(d), set()) is None
+    begun(p, d, room)
     p.rt.close()  # P's heartbeats stop
     time.sleep(0.05)  # what was in flight has arrived
     d.rt.release_dest(room)
@@ -342,10 +338,7 @@ def test_a_write_of_unknown_outcome_holds_the_pages_to_expiry_plus_guard(pd: tup
     # poison_deferred_ack_room: a post raised, its WRITE may still land.
     p, d = pd
     room = 18
-    grant(d, p, room)
-    acked(p, room, peer(d))
-    marked: set[str] = set()
-    assert p.rt.gate(room, peer(d), marked) is None
+    marked = begun(p, d, room)
     (key,) = p.rt.dest_keys(room)
     p.rt.taint(room)
     p.rt.settle(room, marked, clean=False)
