@@ -194,13 +194,24 @@ def test_decoder_killed_frees_producer_blocks_within_the_lease(fleet: pd.Fleet) 
     """D SIGKILLed while its request waits (`vllm_pd.decoder_killed`): P's KV usage back where
     it was within the lease bound (no heartbeat renews it; the lease pump runs the expiry and
     the engine keeps stepping while it holds blocks). Stock's figure is printed beside it.
-    Kills the decoders: the module's last test."""
-    freed = pd.decoder_killed(fleet)
-    print(f"\nD killed: P's blocks back after kvlease {freed['p_kv']} s, stock {freed['p_stock']} s (lease {LEASE} s)")
-    kv = freed["p_kv"]
-    assert kv is not None, "kvlease's producer still holds the dead decoder's blocks"
-    assert kv != pd.FREED_BEFORE_THE_KILL, (
-        "kvlease's producer had freed the victim's blocks before the kill: its lease ended while the "
-        "decoder was live\n" + fleet.logs("p_kv", "d_kv")
+    A try whose lease ended before the kill is retried; it fails the test unless the decoder was
+    starved (sent fewer heartbeats than it owed). Kills the decoders: the module's last test."""
+    killed = pd.decoder_killed(fleet)
+    kv, stock = killed["p_kv"], killed["p_stock"]
+    print(f"\nD killed: P's blocks back after kvlease {kv.freed} s, stock {stock.freed} s (lease {LEASE} s)")
+    for early in kv.early:
+        print(f"  a kvlease try did not count: {early}")
+    unexplained = [early for early in kv.early if not early.starved]
+    assert not unexplained, (
+        "kvlease's producer ended a lease whose decoder sent its heartbeats on time: "
+        + "; ".join(map(str, unexplained))
+        + "\n"
+        + fleet.logs("p_kv", "d_kv")
     )
-    assert kv <= LEASE + 3.0, f"freed {kv:.1f} s after the kill (lease {LEASE} s)"
+    if kv.freed == pd.FREED_BEFORE_THE_KILL:
+        pytest.skip(
+            f"in each of {len(kv.early)} tries kvlease's decoder was starved of CPU (it owed more"
+            f" heartbeats than it sent) and its lease ended, rightly, before the kill: {kv.early[-1]}"
+        )
+    assert kv.freed is not None, "kvlease's producer still holds the dead decoder's blocks"
+    assert kv.freed <= LEASE + 3.0, f"freed {kv.freed:.1f} s after the kill (lease {LEASE} s)"
