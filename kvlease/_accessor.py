@@ -131,6 +131,7 @@ class _Tracked:
         "confirm_pending",
         "early_verdicts",
         "engine",
+        "finished_at",
         "held",
         "incarnation",
         "key",
@@ -159,6 +160,7 @@ class _Tracked:
         self.held = False
         self.attempt = 0  # the seq of the current access attempt's begin_access
         self.confirm_deadline = _NEG_INF  # CONFIRMING: give up (stale) at this local time
+        self.finished_at = _NEG_INF  # CONFIRMING: when the access finished (local time)
         self.confirm_pending: set[int] = set()
         self.attached_confirm = False  # the notification handed out by begin_access asks to confirm
         # Verdicts on that attached notification that arrived before access_finished (a transport
@@ -473,6 +475,7 @@ class Accessor:
             out.append(AccessCompleted(key, t.lease_id, confirmed_by_pinner=False))
         else:
             t.state = TrackedState.CONFIRMING
+            t.finished_at = now
             t.confirm_pending = set(targets)
             t.confirm_deadline = now + eng.terms.accessor_extension
             heapq.heappush(self._checks, (t.confirm_deadline, key))
@@ -672,16 +675,33 @@ class Accessor:
                     if not renewed.held:
                         renewed.held = True
                         self._refresh_fixed(now, eng, renewed)
+                        out.extend(self._covered_late(renewed))
                     continue
                 renewed.held = True
                 if t_send > renewed.acked_send:
                     renewed.acked_send = t_send
                 if valid > renewed.valid_until:
                     renewed.valid_until = valid
+                    out.extend(self._covered_late(renewed))
         if ack.rank == 0:
             for lkey in list(eng.deadlines):
-                self._refresh_fixed(now, eng, eng.leases[lkey])
+                fixed = eng.leases[lkey]
+                self._refresh_fixed(now, eng, fixed)
+                out.extend(self._covered_late(fixed))
         return tuple(out)
+
+    def _covered_late(self, t: _Tracked) -> tuple[AccessorOutput, ...]:
+        """A CONFIRMING access whose finish the validity window, widened by an acknowledgement
+        that arrived after the finish, now covers: complete, without waiting for the pinner's
+        verdict (spec §5.6 step 9). The window proves the lease live until past the finish, and
+        a lease never comes back once it ended, so the memory stayed pinned for the whole access
+        — the same proof `access_finished` uses when the acknowledgement came first. The usual
+        case: the heartbeat sent when the lease was tracked, acknowledged only after a fast READ
+        landed."""
+        if t.state is not TrackedState.CONFIRMING or not t.finished_at < t.valid_until:
+            return ()
+        self._forget(t)
+        return (AccessCompleted(t.key, t.lease_id, confirmed_by_pinner=False),)
 
     @staticmethod
     def _ack_lists_match(rec: Outstanding, ack: HeartbeatAck) -> bool:

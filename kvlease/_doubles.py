@@ -14,6 +14,7 @@ Three families:
 * protocol v1 behaviour an adversarial review found unsafe through the public API: a subclass
   of the real core with one v2 fix switched off, by overriding the private method that
   implements it (`ForgetfulAccessor` ... `RenewAtExpiryPinner`);
+* a rule added within v3 broken the tempting way (`LateCoverIgnoresFinishAccessor`);
 * protocol v2 behaviour the v3 review found unsafe where a deployment differs from the test
   bench, one v3 fix off each (`OwnTermsAccessor`, `PostedReleaseFreesPinner`,
   `NoToRankPinner`, `NoAckBudgetPinner`, `ChunkBoundAccessor`, `UnretiredHandshakeAccessor`).
@@ -28,7 +29,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from ._accessor import Accessor
+from ._accessor import Accessor, TrackedState, _Tracked
 from ._binding import Bound
 from ._clock import MAX_TIME, LocalTime
 from ._codec import MAX_IDS
@@ -51,6 +52,7 @@ from ._pinner import LeaseState, Pinner
 __all__ = [
     "ChunkBoundAccessor",
     "ForgetfulAccessor",
+    "LateCoverIgnoresFinishAccessor",
     "MisstatingPinner",
     "NoAckBudgetPinner",
     "NoBindingPinner",
@@ -343,3 +345,16 @@ class UnretiredHandshakeAccessor(Accessor):
         if eng is not None and eng.handshakes:
             eng.handshake_for = ticket.incarnation
         return super().track(now, key, ticket, push=push)
+
+
+class LateCoverIgnoresFinishAccessor(Accessor):
+    """The late cover (spec §5.6 step 9) without its condition: any acknowledgement that
+    renews a CONFIRMING lease completes its access, whether or not the window it proves ends
+    after the finish. A READ that began after the lease expired (and its memory was freed) is
+    then reported done if an older heartbeat's ack arrives after it."""
+
+    def _covered_late(self, t: _Tracked) -> tuple[AccessorOutput, ...]:
+        if t.state is not TrackedState.CONFIRMING:
+            return ()
+        t.finished_at = -math.inf  # every window "covers" the finish
+        return super()._covered_late(t)

@@ -16,11 +16,13 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
 from click.testing import CliRunner
 
+from kvlease import Accessor, AccessorOutput
 from kvlease.check import BUG_HINTS, CHECK_BUGS, Scope, explore, replay, to_vector
 from kvlease.check._world import CHECK_CONFIG
 from kvlease.cli import main
@@ -197,6 +199,41 @@ def test_a_posted_failed_push_write_is_held_to_expiry_and_guard_on_the_fixed_cor
     # The initial lease (6 s: the heartbeat at 0 extends to max(6, 0 + 4)), then the guard.
     assert free.reason.value == "released"
     assert 6.0 + CHECK_CONFIG.push_guard - 1e-6 <= t < 6.0 + CHECK_CONFIG.push_guard + 1e-3, t
+
+
+class _CountingAccessor(Accessor):
+    """The real accessor, counting the late covers it takes (spec §5.6 step 9)."""
+
+    covers = 0
+
+    def _covered_late(self, t: Any) -> tuple[AccessorOutput, ...]:
+        out = super()._covered_late(t)
+        _CountingAccessor.covers += bool(out)
+        return out
+
+
+def test_a_late_cover_completes_an_access_only_when_its_window_covers_the_finish() -> None:
+    """§5.6 step 9: an ack that arrives after a CONFIRMING access finished completes it if the
+    window it proves ends after the finish. Without that condition (the double) the checker
+    finds a READ that outlasted the lease (its memory freed before the READ ended), reported done
+    on the late ack of a heartbeat sent when it began; the real core is clean in the same families, at the worst
+    clock rates (pinner fast, accessor slow), and takes late covers there."""
+    scope = Scope(depth=11, rates=(1.0, 1.0), without=_only("grant", "track", "deliver", "begin", "finish", "advance"))
+    pinner_cls, accessor_cls, hole = CHECK_BUGS["late-cover-ignores-finish"]
+    found = explore(scope, pinner_cls, accessor_cls)
+    cx = found.violation
+    assert cx is not None, f"{hole}: not found in {found.states} states"
+    print(f"\nlate-cover-ignores-finish: {hole} ({found.states} states)\n  {cx.message}\n  " + "\n  ".join(cx.schedule))
+    assert "stale read reported done" in cx.message
+    text = "\n".join(cx.schedule)
+    assert text.index("access_finished") < text.index("deliver HeartbeatAck"), text
+    rho = CHECK_CONFIG.max_drift_rate
+    _CountingAccessor.covers = 0
+    clean = explore(attrs.evolve(scope, depth=10, rates=(1.0 + rho, 1.0 - rho)), accessor_cls=_CountingAccessor)
+    assert clean.violation is None, clean.violation
+    assert not clean.truncated
+    print(f"real core: {clean.states} states, {_CountingAccessor.covers} late covers, no violation")
+    assert _CountingAccessor.covers > 0, "the clean scope never reached a late cover"
 
 
 def test_every_v3_hole_has_a_command_line_scope() -> None:

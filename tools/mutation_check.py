@@ -529,6 +529,23 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "no_late_cover",
+        "an acknowledgement whose window covers a CONFIRMING access's finish completes it (§5.6 step 9)",
+        (replace(A, "_covered_late", lambda self, t: ()),),
+    ),
+    Mutant(
+        "late_cover_ignores_finish",
+        "a late acknowledgement completes a CONFIRMING access only if its window ends after the finish",
+        (
+            edit(
+                A,
+                "_covered_late",
+                "if t.state is not TrackedState.CONFIRMING or not t.finished_at < t.valid_until:",
+                "if t.state is not TrackedState.CONFIRMING:",
+            ),
+        ),
+    ),
 )
 
 

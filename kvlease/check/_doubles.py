@@ -17,6 +17,7 @@ from .._accessor import Accessor
 from .._doubles import (
     ChunkBoundAccessor,
     ForgetfulAccessor,
+    LateCoverIgnoresFinishAccessor,
     NoAckBudgetPinner,
     NoBindingPinner,
     NoRankCheckPinner,
@@ -60,6 +61,12 @@ CHECK_BUGS: dict[str, tuple[Callable[..., Pinner], Callable[..., Accessor], str]
         UnretiredHandshakeAccessor,
         "a handshake sent before the pinner restarted decides a new incarnation's lease",
     ),
+    # a rule added within v3, broken the tempting way
+    "late-cover-ignores-finish": (
+        Pinner,
+        LateCoverIgnoresFinishAccessor,
+        "a late ack completes a CONFIRMING access whether or not its window covers the finish",
+    ),
 }
 
 #: earlier name -> name: `kvlease check --inject-bug` accepts these (deprecated) for the name
@@ -88,4 +95,5 @@ BUG_HINTS: dict[str, str] = {
     "unretired-handshake": "--restarts 1 --leases 2 --depth 8 --without "
     + _LEAVE_OUT.replace(",release", "")
     + ",begin,finish,fail,advance,part",
+    "late-cover-ignores-finish": "--depth 11 --without " + _LEAVE_OUT + ",fail,part",
 }

@@ -42,6 +42,7 @@ from .lifecycle import (
     accessor_crash_expiry,
     expiry_edges,
     happy_pull,
+    late_cover,
     late_read,
     late_read_confirmed,
     overload_long_queue,
@@ -94,5 +95,6 @@ SCENARIOS: list[Callable[[], Recorder]] = [
     rounds_bound,
     handshake_new_incarnation,
     # issue 21.2: a ticket published before the grant reaches the pinner's workers
-    early_heartbeat,
+    early_heartbeat,  # issue 20: an acknowledgement arriving after a fast READ covers it (no verdict round trip)
+    late_cover,
 ]

@@ -1,11 +1,12 @@
 """Vectors of a renewable pull-mode lease's life on one pinner rank and one accessor rank.
 
     happy_pull, overload_long_queue, accessor_crash_expiry, late_read, late_read_confirmed,
-    release, expiry_edges
+    release, expiry_edges, late_cover
 
 Spec rules (spec/PROTOCOL.md): leases and their ends (§3); heartbeats and their handling at both
 ends (§5.4-§5.6); an access guaranteed only while covered, else confirmed with the pinner, and the
-verdicts (§5.7, §5.8); Release from either side, before and after a promise (§5.9); accessor
+verdicts (§5.7, §5.8); an acknowledgement that widens the window past a CONFIRMING access's
+finish completes it (§5.6 step 9); Release from either side, before and after a promise (§5.9); accessor
 validity and giving up a waiting lease (§6.1); expiry at `now >= expiry`, before `handle_timeout`
 frees (§6.4).
 """
@@ -20,6 +21,7 @@ __all__ = [
     "accessor_crash_expiry",
     "expiry_edges",
     "happy_pull",
+    "late_cover",
     "late_read",
     "late_read_confirmed",
     "overload_long_queue",
@@ -205,6 +207,51 @@ def late_read_confirmed() -> Recorder:
     assert not outs(r.at(deadline - 0.125).step("D", "handle_timeout"), "AccessStale")
     stale = only(r.at(deadline).step("D", "handle_timeout"), "AccessStale")
     assert stale["key"] == "req-2"
+    return r
+
+
+def late_cover() -> Recorder:
+    r = Recorder(
+        "late_cover",
+        "A READ faster than the first heartbeat's round trip (spec §5.6 step 9). req-1: the "
+        "heartbeat sent when the lease was tracked is acknowledged only after the READ finished "
+        "(CONFIRMING, the access-done asks to confirm); the ack's window covers the finish, so the "
+        "access completes at the ack (confirmed_by_pinner false) and the pinner's later verdict "
+        "finds nothing tracked. req-2: its round's ack comes back more than a window after the "
+        "heartbeat was sent, so the window ends before the finish: the access stays CONFIRMING "
+        "until the pinner's verdict.",
+        BASE,
+        {"P": pinner("prefill-0", 0x5EED0024), "D": accessor("decode-0")},
+        {"P": 52.75, "D": 7100.5},
+    )
+    t1 = r.at(0.0).step("P", "grant", key="req-1")["result"]
+    hs = only(r.at(0.0).step("D", "track", key="req-1", ticket=t1), "HandshakeNeeded")
+    connect(r, "D", "P", hs, 0.25)
+    hb = only(r.at(0.5).step("D", "handle_timeout", "the new lease's first heartbeat"), "Send")
+    ack = only(r.at(0.625).deliver("P", hb), "Send")  # held on the way back
+    dec = r.at(0.75).step("D", "begin_access", key="req-1")["result"]
+    assert dec["allowed"] and not dec["guaranteed"] and dec["valid_until"] is None
+    done = only(r.at(0.875).step("D", "access_finished", key="req-1"), "Send")
+    assert done["message"]["confirm"]
+    cover = only(r.at(1.0).deliver("D", ack, "the ack arrives after the READ finished"), "AccessCompleted")
+    assert cover["key"] == "req-1" and cover["confirmed_by_pinner"] is False
+    verdict = r.at(1.125).deliver("P", done)
+    assert [o["type"] for o in verdict["outputs"]] == ["Free", "Send"]
+    assert r.at(1.25).deliver("D", verdict["outputs"][1], "the verdict finds nothing tracked")["outputs"] == []
+    # req-2: the round's ack comes back 4.5 s after its heartbeat, past the window (≈ 3.95 s).
+    t2 = r.at(2.0).step("P", "grant", key="req-2")["result"]
+    assert not r.at(2.0).step("D", "track", key="req-2", ticket=t2)["outputs"]
+    hb2 = only(r.at(2.125).step("D", "handle_timeout", "req-2's first heartbeat"), "Send")
+    ack2 = only(r.at(2.25).deliver("P", hb2), "Send")
+    assert r.at(2.375).step("D", "begin_access", key="req-2")["result"]["allowed"]
+    done2 = only(r.at(6.125).step("D", "access_finished", key="req-2"), "Send")
+    assert done2["message"]["confirm"]
+    late = r.at(6.625).deliver("D", ack2, "the window ended before the finish: still CONFIRMING")
+    assert not outs(late, "AccessCompleted") and not outs(late, "AccessStale")
+    verdict2 = r.at(6.75).deliver("P", done2)
+    assert [o["type"] for o in verdict2["outputs"]] == ["Free", "Send"]
+    ok = only(r.at(6.875).deliver("D", verdict2["outputs"][1]), "AccessCompleted")
+    assert ok["key"] == "req-2" and ok["confirmed_by_pinner"] is True
     return r
 
 
