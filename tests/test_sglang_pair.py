@@ -233,17 +233,34 @@ def _watch(
     return seen
 
 
+_ABORTED_ROOM = re.compile(r"bootstrap_room=(\d+) with exception KVTransferError\(.*\): Aborted by AbortReq")
+
+
 def _released(p: Pair, t0: float) -> Callable[[Seen], None]:
-    """A `_watch` probe: D's deferred release of a held room resolved (``released``, ``outcome``)."""
+    """A `_watch` probe: D's deferred release of the aborted room resolved (``released``,
+    ``outcome``). The plugin's pair: the room SGLang aborted (D's log), released when the plugin
+    says so for that room: the router retries an aborted request, and the retry's room may fail
+    and be released first (seen in CI: P's transfer worker, awaiting the held WRITE, left the
+    retry's lease to lapse). Stock's: any deferred release SGLang counts (printed only)."""
     before = _deferred_releases(p.d_url)
+    log0 = len(p.d.log())
 
     def probe(seen: Seen) -> None:
-        if "released" not in seen:
-            now = _deferred_releases(p.d_url)
-            gained = [k for k in now if now[k] > before[k]]
-            if gained:
+        if "released" in seen:
+            return
+        if p.kind == "kvlease":
+            log = p.d.log()[log0:]
+            if "room" not in seen and (m := _ABORTED_ROOM.search(log)):
+                seen["room"] = m.group(1)
+            if "room" in seen and (m := re.search(rf"kvlease: room {seen['room']}: aborted, .* after ([^\n]+)", log)):
                 seen["released"] = time.time() - t0
-                seen["outcome"] = gained[0]
+                seen["outcome"] = "drained" if "drain" in m.group(1) else "lease end"
+            return
+        now = _deferred_releases(p.d_url)
+        gained = [k for k in now if now[k] > before[k]]
+        if gained:
+            seen["released"] = time.time() - t0
+            seen["outcome"] = gained[0]
 
     return probe
 
