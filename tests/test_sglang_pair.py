@@ -233,15 +233,18 @@ def _watch(
     return seen
 
 
-_ABORTED_ROOM = re.compile(r"bootstrap_room=(\d+) with exception KVTransferError\(.*\): Aborted by AbortReq")
+#: D's log line naming the room of the request SGLang aborted, and of the first room the plugin
+#: failed (after its prefill died).
+ABORTED_ROOM = re.compile(r"bootstrap_room=(\d+) with exception KVTransferError\(.*\): Aborted by AbortReq")
+FAILED_ROOM = re.compile(r"kvlease: room (\d+) fails: ")
 
 
-def _released(p: Pair, t0: float) -> Callable[[Seen], None]:
-    """A `_watch` probe: D's deferred release of the aborted room resolved (``released``,
-    ``outcome``). The plugin's pair: the room SGLang aborted (D's log), released when the plugin
-    says so for that room: the router retries an aborted request, and the retry's room may fail
-    and be released first (seen in CI: P's transfer worker, awaiting the held WRITE, left the
-    retry's lease to lapse). Stock's: any deferred release SGLang counts (printed only)."""
+def _released(p: Pair, t0: float, room_line: re.Pattern[str]) -> Callable[[Seen], None]:
+    """A `_watch` probe: D's deferred release of the fault's room resolved (``released``,
+    ``outcome``). The plugin's pair: the room of D's first `room_line` after `t0`, released when
+    the plugin says so for that room: the router retries a failed request, and the retry's room
+    may fail and be released first (seen in CI: P's transfer worker, awaiting the held WRITE,
+    left the retry's lease to lapse). Stock's: any deferred release SGLang counts (printed only)."""
     before = _deferred_releases(p.d_url)
     log0 = len(p.d.log())
 
@@ -250,9 +253,10 @@ def _released(p: Pair, t0: float) -> Callable[[Seen], None]:
             return
         if p.kind == "kvlease":
             log = p.d.log()[log0:]
-            if "room" not in seen and (m := _ABORTED_ROOM.search(log)):
+            if "room" not in seen and (m := room_line.search(log)):
                 seen["room"] = m.group(1)
-            if "room" in seen and (m := re.search(rf"kvlease: room {seen['room']}: aborted, .* after ([^\n]+)", log)):
+            released = rf"kvlease: room {seen.get('room')}: destination .* after ([^\n]+)"
+            if "room" in seen and (m := re.search(released, log)):
                 seen["released"] = time.time() - t0
                 seen["outcome"] = "drained" if "drain" in m.group(1) else "lease end"
             return
@@ -286,7 +290,7 @@ def _abort_decode_mid_write(p: Pair, client: serving.Client, hold: float, within
     answer = _send_with_write_held(p, client, "def aborted(x):", hold)
     time.sleep(0.3)
     t_abort = time.time()
-    released = _released(p, t_abort)  # counted from before the abort
+    released = _released(p, t_abort, ABORTED_ROOM)  # counted from before the abort
     status, body = http("POST", f"{p.d_url}/abort_request", {"abort_all": True}, timeout=30)
     assert status == 200, f"{p.kind}: D's /abort_request answered {status}: {body[:300]}"
 
@@ -372,7 +376,7 @@ def _kill_prefill_mid_write(p: Pair, client: serving.Client, within: float) -> S
     answer = _send_with_write_held(p, client, "def victim(x):", 600.0)
     time.sleep(0.5)
     t_kill = time.time()
-    released = _released(p, t_kill)
+    released = _released(p, t_kill, FAILED_ROOM)
     p.p.kill()
     seen = _watch(answer, t_kill, within, {"released", "answered"}, released)
     assert http("GET", f"{p.d_url}/health", timeout=10)[0] == 200, f"{p.kind}: D died with its prefill"

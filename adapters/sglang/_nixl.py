@@ -463,14 +463,14 @@ class LeaseManagerMixin(_ManagerBase):  # type: ignore[misc]
         return True
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
-        """SGLang's deferred release of an aborted request resolved (drained or timed out): its
-        destination pages go back to the pool now. Said once per room (INFO), after the
-        lease's end or the prefill's drain, so an operator can match it with the abort."""
+        """SGLang's deferred release of an aborted or failed request resolved (drained or timed
+        out): its destination pages go back to the pool now. Said once per room (INFO), with
+        what it waited for, so an operator can match it with the abort or the failure."""
         super().clear_deferred_abort_state(bootstrap_room)
         rt = self._kvlease
         if rt is not None:
             waited = "the prefill's drain ACK" if rt.dest_needs_drain(bootstrap_room) else "its lease's end"
-            logger.info("kvlease: room %s: aborted, its destination pages released after %s", bootstrap_room, waited)
+            logger.info("kvlease: room %s: destination pages released after %s", bootstrap_room, waited)
             rt.forget_dest(bootstrap_room)
             rt.release_resolved(bootstrap_room)
 
