@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
 from operator import sub
@@ -630,7 +631,33 @@ def _fast_ids(v: object) -> tuple[int, ...] | None:
     return out if out[-1] < _U64 else None
 
 
-def _fast_heartbeat(items: list[Any]) -> Message | None:
+def _fast_tail_ids(v: object, data: bytes, start: int) -> tuple[int, ...] | None:
+    """`_fast_ids` for the list that ends the frame `data` and is encoded at or after byte
+    `start`: a heartbeat's ids, the longest list on the wire. msgpack marks a bool with one
+    byte, 0xc2 or 0xc3; with neither byte from `start` on, no item is a bool, and one array
+    conversion (C) checks what the type test and `min` check one item at a time (every item
+    an int in [0, 2**64)). Either byte there (in a wider int, or a float of the header before
+    the list) takes the item-by-item checks: the same result, more slowly."""
+    if type(v) is not list or not v:
+        return _fast_ids(v)
+    if data.find(_FALSE_BYTE, start) >= 0 or data.find(_TRUE_BYTE, start) >= 0:
+        return _fast_ids(v)
+    try:
+        array("Q", v)
+    except (TypeError, OverflowError):
+        return None
+    if v.count(0) > (v[0] == 0):
+        return None
+    out = tuple(accumulate(v))
+    return out if out[-1] < _U64 else None
+
+
+_TAIL_CHECK_MIN: Final = 64  # ids from which `_fast_tail_ids` pays for finding the list's start
+_FALSE_BYTE: Final = b"\xc2"
+_TRUE_BYTE: Final = b"\xc3"
+
+
+def _fast_heartbeat(items: list[Any], data: bytes) -> Message | None:
     _, _, engine, rank, ranks, session, inc, seq, t_send, ids = items
     if (
         _fast_engine(engine)
@@ -640,13 +667,31 @@ def _fast_heartbeat(items: list[Any]) -> Message | None:
         and _fast_uint(seq)
         and _fast_time(t_send)
     ):
-        lease_ids = _fast_ids(ids)
+        if type(ids) is not list or len(ids) < _TAIL_CHECK_MIN:
+            lease_ids = _fast_ids(ids)
+            return None if lease_ids is None else Heartbeat(engine, rank, ranks, session, inc, seq, t_send, lease_ids)
+        # Where the id list starts, at the earliest: every field before it in its shortest
+        # msgpack form (magic, array header, version and type as fixints, a float as float32).
+        start = (
+            len(MAGIC)
+            + 1  # the array header
+            + 2  # version, type
+            + (1 if len(engine) < 32 else 2)
+            + len(engine)
+            + uint_size(rank)
+            + uint_size(ranks)
+            + uint_size(session)
+            + uint_size(inc)
+            + uint_size(seq)
+            + 5
+        )
+        lease_ids = _fast_tail_ids(ids, data, start)
         if lease_ids is not None:
             return Heartbeat(engine, rank, ranks, session, inc, seq, t_send, lease_ids)
     return None
 
 
-def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
+def _fast_heartbeat_ack(items: list[Any], data: bytes) -> Message | None:
     _, _, engine, rank, inc, to_rank, to_session, seq, t_echo, t_recv, extension, renewed, u, e, r, c = items
     if (
         _fast_engine(engine)
@@ -685,7 +730,7 @@ def _fast_heartbeat_ack(items: list[Any]) -> Message | None:
     return None
 
 
-def _fast_access_done(items: list[Any]) -> Message | None:
+def _fast_access_done(items: list[Any], data: bytes) -> Message | None:
     _, _, engine, rank, ranks, session, inc, to_rank, lease_id, attempt, confirm, t_send = items
     if (
         _fast_engine(engine)
@@ -705,7 +750,7 @@ def _fast_access_done(items: list[Any]) -> Message | None:
 _OUTCOMES: Final = {int(o): o for o in AccessOutcome}
 
 
-def _fast_access_done_ack(items: list[Any]) -> Message | None:
+def _fast_access_done_ack(items: list[Any], data: bytes) -> Message | None:
     _, _, engine, rank, inc, to_rank, to_session, lease_id, attempt, outcome = items
     if (
         _fast_engine(engine)
@@ -724,7 +769,7 @@ def _fast_access_done_ack(items: list[Any]) -> Message | None:
 
 
 #: type -> (array length, fast decoder)
-_FAST_DECODERS: Final[dict[int, tuple[int, Callable[[list[Any]], Message | None]]]] = {
+_FAST_DECODERS: Final[dict[int, tuple[int, Callable[[list[Any], bytes], Message | None]]]] = {
     _T_HEARTBEAT: (2 + _ARITY[_T_HEARTBEAT], _fast_heartbeat),
     _T_HEARTBEAT_ACK: (2 + _ARITY[_T_HEARTBEAT_ACK], _fast_heartbeat_ack),
     _T_ACCESS_DONE: (2 + _ARITY[_T_ACCESS_DONE], _fast_access_done),
@@ -762,7 +807,7 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_DECODE_
         if fast is not None and len(items) == fast[0]:
             # Exactly the frames the checks below pass on to `_decode_fields` for this type.
             try:
-                msg = fast[1](items)
+                msg = fast[1](items, data)
             except Exception as exc:  # defensive, as below: nothing but DecodeError escapes
                 raise DecodeError(f"malformed message: {type(exc).__name__}: {exc}", category="field") from None
             if msg is not None:

@@ -22,6 +22,7 @@ import enum
 import heapq
 from collections import deque
 from collections.abc import Iterable
+from typing import Final
 
 import attrs
 
@@ -79,6 +80,7 @@ _RELEASING = LeaseState.RELEASING
 _RENEWABLE = LeaseKind.RENEWABLE
 _FIXED_TTL = LeaseKind.FIXED_TTL
 _INF = float("inf")
+_LAYOUTS_KEPT = 256  # accessor layouts remembered as valid (a peer cannot grow the set past it)
 
 
 class _Lease:
@@ -101,6 +103,7 @@ class _Lease:
         "push",
         "released",
         "state",
+        "steady",
     )
 
     def __init__(self, lease_id: int, key: str, kind: LeaseKind, expiry: float, expected: int, push: bool) -> None:
@@ -130,6 +133,21 @@ class _Lease:
         self.b_session = 0
         self.b_seq = 0
         self.more: dict[int, list[int]] | None = None
+        # The renewal loop's steady state: set when a heartbeat renewed this ACTIVE renewable
+        # lease from its first bound rank (`b_rank`), to that rank's session's `_Steady` key;
+        # cleared by every arrow out of ACTIVE. A later heartbeat of that session then needs
+        # one identity test, the expiry and the seq (binding never changes once made).
+        self.steady: _Steady | None = None
+
+
+class _Steady:
+    """The identity of one accessor session of one rank of one engine, interned per pinner
+    (`Pinner._steady`): the renewal loop compares leases to it with `is`."""
+
+    __slots__ = ()
+
+
+_NOT_STEADY: Final = _Steady()  # the key of a heartbeat that has none (no seq): matches no lease
 
 
 # -- a lease's life: spec/PROTOCOL.md §3 "States", one function per arrow ------------------------
@@ -160,6 +178,7 @@ def _promise(lease: _Lease) -> None:
 def _to_releasing(lease: _Lease) -> None:
     """ACTIVE -> RELEASING: a local release of a promised lease; held until its expiry."""
     lease.state = _RELEASING
+    lease.steady = None
     lease.released = True
 
 
@@ -173,6 +192,7 @@ def _to_held(lease: _Lease) -> None:
     posted under it may still land, so neither counting nor a release frees it before its
     expiry and the push guard (which bound every WRITE the accessor started in time)."""
     lease.state = _RELEASING
+    lease.steady = None
     lease.released = True
     lease.hold = True
 
@@ -180,11 +200,13 @@ def _to_held(lease: _Lease) -> None:
 def _to_quarantined(lease: _Lease, guard: float) -> None:
     """Expiry of a push lease: keep the memory `guard` longer for a write still landing."""
     lease.state = LeaseState.QUARANTINED
+    lease.steady = None
     lease.expiry += guard
 
 
 def _to_ended(lease: _Lease) -> None:
     lease.state = LeaseState.ENDED
+    lease.steady = None
 
 
 def _end_reason(lease: _Lease, otherwise: EndReason) -> EndReason:
@@ -263,6 +285,11 @@ class Pinner:
         self.ranks = ranks
         self.counters = PinnerCounters()
         self._leases: dict[int, _Lease] = {}
+        self._layouts_ok: set[tuple[int, int]] = set()  # accessor (ranks, rank) that access this rank
+        # One `_Steady` per accessor (engine, rank, session) some lease was steady for (pruned
+        # to the live ones when it outgrows the leases, `_steady_key`).
+        self._steady: dict[tuple[str, int, int], _Steady] = {}
+        self._steady_cap = 64
         self._heap: list[tuple[float, int]] = []
         self._tombstones = Tombstones(config.tombstone_limit)
         self._by_key: dict[str, int] | None = {} if config.vllm_compat else None
@@ -522,10 +549,14 @@ class Pinner:
 
     def _layout_rejection(self, engine_id: str, what: str, rank: int, ranks: int) -> Rejected | None:
         """Refuse a message from an accessor rank that does not access this pinner rank."""
+        if (ranks, rank) in self._layouts_ok:
+            return None
         why = layout_error(self.ranks, ranks, rank)
         if why is None and self.rank not in tp_layout(self.ranks, ranks, rank).targets:
             why = f"accessor rank {rank} of {ranks} does not access pinner rank {self.rank} of {self.ranks}"
         if why is None:
+            if len(self._layouts_ok) < _LAYOUTS_KEPT:
+                self._layouts_ok.add((ranks, rank))
             return None
         self.counters.rejected += 1
         return Rejected(engine_id, f"{what}: {why}")
@@ -620,10 +651,24 @@ class Pinner:
             unknown = list(lease_ids)
         else:
             new_expiry = now + self.config.lease_extension
-            leases = self._leases
+            get = self._leases.get
             tombstones = self._tombstones
+            if seq is None:
+                key, top = _NOT_STEADY, 0
+            else:
+                key = self._steady.get((engine_id, rank, session)) or _NOT_STEADY
+                top = seq
             for lease_id in lease_ids:
-                lease = leases.get(lease_id)
+                lease = get(lease_id)
+                if lease is not None and lease.steady is key and lease.expiry > now:
+                    # The steady state, in one test: an ACTIVE renewable lease this very session
+                    # of this rank renewed before (so bound to it, and promised).
+                    if top > lease.b_seq:
+                        lease.b_seq = top
+                        if new_expiry > lease.expiry:
+                            lease.expiry = new_expiry
+                    renewed += 1
+                    continue
                 if lease is not None and lease.state is _ACTIVE and lease.expiry > now:
                     # Binding (inlined `_bound_elsewhere` + `_bind` + `_fresh_renewal`: this loop
                     # is the hot path). The steady state first: the lease is bound to this very
@@ -640,6 +685,8 @@ class Pinner:
                             if lease.kind is _RENEWABLE and new_expiry > lease.expiry:
                                 lease.expiry = new_expiry
                         lease.promised = True
+                        if seq is not None and lease.kind is _RENEWABLE:
+                            lease.steady = key = self._steady_key(engine_id, rank, session)
                         renewed += 1
                         continue
                     if bound is None:
@@ -656,6 +703,8 @@ class Pinner:
                     if fresh and lease.kind is _RENEWABLE and new_expiry > lease.expiry:
                         lease.expiry = new_expiry
                     lease.promised = True  # `_promise`, inlined
+                    if seq is not None and lease.kind is _RENEWABLE and lease.b_rank == rank:
+                        lease.steady = key = self._steady_key(engine_id, rank, session)
                     renewed += 1
                     continue
                 reason: EndReason | None
@@ -674,6 +723,21 @@ class Pinner:
                     unknown.append(lease_id)
         self.counters.renewed += renewed
         return renewed, unknown, expired, released, completed, foreign
+
+    def _steady_key(self, engine_id: str, rank: int, session: int) -> _Steady:
+        """The interned `_Steady` of this accessor session (made on first use)."""
+        k = (engine_id, rank, session)
+        steady = self._steady.get(k)
+        if steady is None:
+            if len(self._steady) >= self._steady_cap:
+                # Sessions come and go (accessor restarts, a peer naming new ones): keep those a
+                # live lease is steady for, and let the dict double (plus 64) before the next
+                # pass: amortized O(1) per new session.
+                live = {id(lease.steady) for lease in self._leases.values()}
+                self._steady = {key: v for key, v in self._steady.items() if id(v) in live}
+                self._steady_cap = 2 * len(self._steady) + 64
+            steady = self._steady[k] = _Steady()
+        return steady
 
     def _on_access_done(self, now: LocalTime, msg: AccessDone) -> tuple[PinnerOutput, ...]:
         bad = self._layout_rejection(msg.engine_id, "access-done", msg.rank, msg.ranks)

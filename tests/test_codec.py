@@ -844,3 +844,50 @@ def test_chunk_cost_is_the_split_rules_sum(ids: tuple[int, ...]) -> None:
     """`chunk_cost` counts by bisection (a pinner checks it per heartbeat); it is exactly the
     spec's ``5 + size(first) + sum(size(v - first))`` (PROTOCOL.md §4.3)."""
     assert chunk_cost(ids) == (_cost(ids) if ids else 0)
+
+
+# -- the heartbeat's id list: the fast check against the table-driven one ------------------------
+
+
+def _decoded_or_error(data: bytes) -> object:
+    try:
+        return decode(data)
+    except DecodeError as exc:
+        return ("DecodeError", exc.category)
+
+
+@given(
+    gaps=st.one_of(
+        st.lists(st.integers(0, 70_000), max_size=70),
+        st.lists(st.integers(1, 300), min_size=60, max_size=200),
+    ),
+    odd=st.sampled_from([None, True, False, -1, 1.0, "1", None, U64_MAX, [1]]),
+    where=st.integers(0, 200),
+    t_send=st.floats(-1e9, 1e9, allow_nan=False),
+    session=st.integers(0, U64_MAX),
+    incarnation=st.integers(0, U64_MAX),
+    single_float=st.booleans(),
+)
+@example(gaps=[0xC3, *[1] * 70], odd=True, where=1, t_send=1.0, session=0, incarnation=0, single_float=True)
+@example(gaps=[1] * 70, odd=False, where=0, t_send=1.0, session=0xC3C3, incarnation=0xC2, single_float=False)
+@example(gaps=[1] * 70, odd=True, where=70, t_send=1.0, session=0, incarnation=0, single_float=False)
+def test_a_heartbeats_ids_decode_alike_on_the_fast_and_the_table_driven_path(
+    gaps: list[Any], odd: object, where: int, t_send: float, session: int, incarnation: int, single_float: bool
+) -> None:
+    """The fast path checks a long heartbeat's id gaps in one array conversion when no bool
+    byte (0xc2, 0xc3) follows the header, item by item otherwise (a short list always):
+    whatever the gaps hold (a bool, a negative, a float, a string, a list, ids past 2**64) and
+    whatever bytes the header carries (a float32 t_send, wide ints with 0xc2/0xc3 in them), it
+    accepts and refuses what the table-driven path does."""
+    if odd is not None:
+        gaps = [*gaps[:where], odd, *gaps[where:]]
+    body = [PROTOCOL_VERSION, TYPES[Heartbeat], "d", 0, 1, session, incarnation, 7, t_send, gaps]
+    data = MAGIC + msgpack.packb(body, use_bin_type=True, use_single_float=single_float)
+    fast = _decoded_or_error(data)
+    saved = dict(kvlease._codec._FAST_DECODERS)
+    kvlease._codec._FAST_DECODERS.clear()
+    try:
+        slow = _decoded_or_error(data)
+    finally:
+        kvlease._codec._FAST_DECODERS.update(saved)
+    assert fast == slow

@@ -653,3 +653,37 @@ def test_a_heartbeat_whose_ack_cannot_fit_never_raises_into_the_step() -> None:
     finally:
         raw.close(0)
         p.close()
+
+
+def test_idle_until_holds_while_changes_stand_and_a_call_voids_it() -> None:
+    """`idle_until` is when the next step has work as things stand: a pinner with a lease has
+    none before the lease's expiry (steps then return nothing and move nothing) and frees it in
+    the first step at or after it; every engine call moves `changes`, and an event not yet
+    returned makes it -inf (work now). So a step loop that skips steps on this rule (the vLLM
+    adapter's quiet step) loses nothing."""
+    clock = FakeClock()
+    t = ZmqTransport("P", bind="tcp://127.0.0.1:0")
+    d = Driver(t, pinner=Pinner(CFG, "P", 5), clock=clock, log_interval=60.0)
+    try:
+        assert d.idle_until() == float("inf")  # no lease, no peer: no timer at all
+        before = d.changes
+        first = d.grant("req-1")
+        assert d.changes > before  # an engine call
+        expiry = d.idle_until()
+        assert expiry == clock.t + CFG.kv_lease_duration
+        mark = d.changes
+        while clock.t + 0.25 < expiry:  # quiet steps: nothing to do, nothing moves
+            clock.t += 0.25
+            assert d.step() == [] and d.changes == mark and d.idle_until() == expiry
+        clock.t = expiry
+        (free,) = d.step()
+        assert isinstance(free, Free) and free.lease_id == first.lease_id
+        assert d.idle_until() == float("inf")
+        second = d.grant("req-2")
+        mark = d.changes
+        d.release(second.lease_id)  # never renewed: freed at once, its Free due in the next step
+        assert d.changes > mark and d.idle_until() == -float("inf")
+        (free,) = d.step()
+        assert isinstance(free, Free) and free.lease_id == second.lease_id
+    finally:
+        d.close()

@@ -216,3 +216,30 @@ def test_a_producer_claim_under_a_key_counts_only_for_its_producer_and_request()
     assert not verify_producer_claim(key, params, {**claim, "tag": "zz"})
     assert not verify_producer_claim(key, params, {**claim, "tag": 7})
     assert not verify_producer_claim(key, {"remote_engine_id": "P"}, claim)  # no request named
+
+
+def test_idle_says_whether_the_drivers_next_step_has_anything_from_the_transport() -> None:
+    """The connector's quiet step skips the driver's step only while `idle()`: a fed frame, a
+    hello (a handshake event) and a completed READ each make it false until the driver takes
+    them."""
+    agent = Agent()
+    t = ConnectorTransport(agent, "P", 0, {}, lambda e: None)
+    assert t.idle()
+    t.feed("agent-d0", b"\x92frame")
+    assert not t.idle()
+    t.receive()
+    assert t.idle()
+    t.feed("agent-d0", hello())
+    assert not t.idle()
+    (req,) = t.poll_handshakes()
+    assert isinstance(req, HandshakeRequest) and t.idle()
+    t.reject_handshake(req.token)
+    d = ConnectorTransport(Agent(), "D", 0, {}, lambda e: None)
+    d.expect("r1")
+    h = d.start_read("P", 0, "kv", None, b"done")
+    d.expect(None)
+    assert d.idle()  # vLLM's READ in flight: the driver polls nothing of it until it completes
+    assert d.complete("r1", ok=True)
+    assert not d.idle()
+    assert d.poll_transfers() == [TransferResult(h, True)]
+    assert d.idle()

@@ -179,7 +179,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a heartbeat no newer (seq) than one that extended the lease extends nothing",
         (
             replace(P, "_fresh_renewal", staticmethod(lambda lease, rank, seq: True)),
-            edit(P, "_renew", "if seq is None or seq > lease.b_seq:", "if True:"),  # the inlined steady state
+            edit(P, "_renew", "if seq is None or seq > lease.b_seq:", "if True:"),  # the inlined binding
+            edit(P, "_renew", "if top > lease.b_seq:", "if True:"),  # the steady state
         ),
     ),
     Mutant(

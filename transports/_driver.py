@@ -251,6 +251,9 @@ class Driver:
         self._busy = False  # the last step had input or transfers in flight (for run's backoff)
         #: Set while `run` sleeps: wakes it (thread-safe) when the engine calls the driver.
         self._waker: Callable[[], object] | None = None
+        #: Counts what can bring work forward: every engine call, every output dispatched and
+        #: every step that had input. While it stands, `idle_until` said before stays true.
+        self.changes = 0
 
     # -- time -------------------------------------------------------------------------------
 
@@ -276,6 +279,16 @@ class Driver:
             if p.unanswered_since is not None and p.unanswered_since + self.engine_ttl < best:
                 best = p.unanswered_since + self.engine_ttl
         return None if best == float("inf") else LocalTime(best)
+
+    def idle_until(self) -> float:
+        """Until when `step` has nothing to do as things stand (+inf: no timer at all; -inf:
+        work now, a transfer in flight or an event not yet returned). It holds while
+        `changes` stands and the transport brings no input: an engine's step loop that checks
+        both may skip a step before this instant, and lose nothing."""
+        if self._accesses or self._pending:
+            return float("-inf")
+        d = self.next_deadline()
+        return float("inf") if d is None else d
 
     # -- pinner side ------------------------------------------------------------------------
 
@@ -425,6 +438,8 @@ class Driver:
         inbound_frames = tr.receive()  # first: a transport may fill the other queues here
         handshakes = tr.poll_handshakes()
         self._busy = bool(inbound_frames or handshakes or self._accesses)
+        if inbound_frames or handshakes:
+            self.changes += 1
         for hev in handshakes:
             match hev:
                 case HandshakeRequest():
@@ -668,6 +683,7 @@ class Driver:
 
     def _poke(self) -> None:
         """An engine call while `run` sleeps: wake it to re-plan (deadlines, sockets)."""
+        self.changes += 1
         waker = self._waker
         if waker is not None:
             waker()

@@ -214,6 +214,11 @@ class ConnectorTransport:
         out, self._inbound = self._inbound, []
         return out
 
+    def idle(self) -> bool:
+        """Nothing for the driver's next step: no frame fed, handshake event, hello waiting
+        for vLLM's handshake, or transfer result."""
+        return not (self._inbound or self._handshakes or self._hellos or self._done)
+
     def progress(self) -> None:
         if self._hellos:
             for engine in list(self._hellos):
