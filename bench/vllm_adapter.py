@@ -34,7 +34,7 @@ accepts sends:
 
 It prints figures and asserts nothing but that the work was done (every lease renewed, nothing
 dropped). Run (vLLM's environment): ``.venv-vllm/bin/python bench/vllm_adapter.py [--sizes
-1000,10000,100000] [--repeat 5] [--json]``. Run time: about a minute.
+1000,10000,100000] [--repeat 5] [--max-message-bytes B] [--json]``. Run time: about a minute.
 """
 
 from __future__ import annotations
@@ -173,10 +173,15 @@ def _vllm_results(self: Any) -> Any:
     return KVConnectorTransferResults(finished_sending=self._get_new_notifs())
 
 
-def bench_kvlease(n: int, load: list[list[tuple[int, range]]], repeat: int = REPEAT) -> tuple[float, float]:
+def bench_kvlease(
+    n: int, load: list[list[tuple[int, range]]], repeat: int = REPEAT, max_message_bytes: int | None = None
+) -> tuple[float, float]:
     NixlPullConnectorWorker.get_transfer_results = _vllm_results  # for the adapter's super() only
     agent = _StubAgent()
-    settings = read_settings({"kv_lease_duration": HELD})
+    extra: dict[str, Any] = {"kv_lease_duration": HELD}
+    if max_message_bytes is not None:
+        extra["max_message_bytes"] = max_message_bytes  # both sides' (decoders split by it too)
+    settings = read_settings(extra)
     w = object.__new__(KvleasePullWorker)
     w.nixl_wrapper = agent
     w.kvlease_settings = settings
@@ -244,6 +249,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=REPEAT, help="intervals per figure, the least mean kept")
+    ap.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="kvlease's max_message_bytes on both sides (default: the protocol's, 1024)",
+    )
     args = ap.parse_args()
     repeat = max(1, args.repeat)
     rows = []
@@ -252,7 +263,7 @@ def main() -> None:
         for name, make in LOADS.items():
             load = make(n)
             vb, vi = bench_vllm(n, load, repeat)
-            kb, ki = bench_kvlease(n, load, repeat)
+            kb, ki = bench_kvlease(n, load, repeat, args.max_message_bytes)
             row[name] = {"vllm_us": vb * 1e6, "kvlease_us": kb * 1e6}
         row["idle"] = {"vllm_us": vi * 1e6, "kvlease_us": ki * 1e6}
         rows.append(row)

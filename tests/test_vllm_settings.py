@@ -12,6 +12,7 @@ from kvlease.adapters.vllm._settings import (
     ADAPTER_KEYS,
     DEFAULT_MIN_BANDWIDTH,
     LEASE_KEYS,
+    DEFAULT_MAX_MESSAGE_BYTES,
     SIDE_CHANNEL_ENV,
     check_side_channel,
     check_transfer_bound,
@@ -30,6 +31,9 @@ def test_defaults_are_vllms() -> None:
     assert s.lease.decoder_kv_blocks_ttl == 480.0  # vLLM's decoder_kv_blocks_ttl default
     assert s.vllm_compat and s.lease.vllm_compat  # stock vLLM peers understood by default
     assert s.engine_ttl is None and s.transfer_timeout is None
+    # The adapter's own message bound: NIXL notifications carry vLLM's thousands of ids too.
+    assert s.lease.max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES == 8192
+    assert read_settings({"max_message_bytes": 1024}).lease.max_message_bytes == 1024
 
 
 def test_every_knob_is_read_under_its_name() -> None:

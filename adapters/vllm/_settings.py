@@ -20,6 +20,7 @@ from kvlease import ConfigError, LeaseConfig
 
 __all__ = [
     "ADAPTER_KEYS",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MIN_BANDWIDTH",
     "LEASE_KEYS",
     "VLLM_KEYS",
@@ -68,6 +69,15 @@ ADAPTER_KEYS = (
 #: The default stated floor on one request's KV transfer rate, bytes per second (1 GB/s: well
 #: under RDMA's 10-50 GB/s, above UCX over plain TCP's ~0.6 GB/s measured on loopback).
 DEFAULT_MIN_BANDWIDTH = 1e9
+
+
+#: The adapter's default bound on one heartbeat and the ack answering it, bytes (the protocol's
+#: default is 1,024, for transports with small datagrams). Heartbeats ride on NIXL notifications,
+#: which vLLM's own `HB:` fills with every request id a decoder holds, thousands at a time: 8 KiB
+#: (about 7,000 ids) takes a producer's 100,000 leases in 15 messages an interval rather than
+#: 112, and bounds each message's work at well under a millisecond. Peers with another bound
+#: split by the smaller of both (protocol §4.3).
+DEFAULT_MAX_MESSAGE_BYTES = 8192
 
 
 #: Keys vLLM 0.33.0's NIXL connectors read from the same extra config (not kvlease's).
@@ -191,6 +201,7 @@ def read_settings(extra: Mapping[str, Any] | None) -> AdapterSettings:
         if key.startswith("kvlease_") and key not in ADAPTER_KEYS:
             raise ConfigError(key, extra[key], f"a known kvlease setting (one of {', '.join(ADAPTER_KEYS)})")
     fields: dict[str, Any] = {k: extra[k] for k in LEASE_KEYS if k in extra}
+    fields.setdefault("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
     if "auth_keys" in fields and isinstance(fields["auth_keys"], str):
         fields["auth_keys"] = (fields["auth_keys"],)
     if "auth_keys" in fields and not isinstance(fields["auth_keys"], list | tuple):
