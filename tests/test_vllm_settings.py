@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from kvlease.adapters.vllm._settings import (
     ADAPTER_KEYS,
+    DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MIN_BANDWIDTH,
     LEASE_KEYS,
-    DEFAULT_MAX_MESSAGE_BYTES,
     SIDE_CHANNEL_ENV,
     check_side_channel,
     check_transfer_bound,
