@@ -631,15 +631,13 @@ def _fast_ids(v: object) -> tuple[int, ...] | None:
     return out if out[-1] < _U64 else None
 
 
-def _fast_tail_ids(v: object, data: bytes, start: int) -> tuple[int, ...] | None:
-    """`_fast_ids` for the list that ends the frame `data` and is encoded at or after byte
-    `start`: a heartbeat's ids, the longest list on the wire. msgpack marks a bool with one
+def _fast_tail_ids(v: list[Any], data: bytes, start: int) -> tuple[int, ...] | None:
+    """`_fast_ids` for a non-empty list that ends the frame `data` and is encoded at or after
+    byte `start`: a heartbeat's ids, the longest list on the wire. msgpack marks a bool with one
     byte, 0xc2 or 0xc3; with neither byte from `start` on, no item is a bool, and one array
     conversion (C) checks what the type test and `min` check one item at a time (every item
     an int in [0, 2**64)). Either byte there (in a wider int, or a float of the header before
     the list) takes the item-by-item checks: the same result, more slowly."""
-    if type(v) is not list or not v:
-        return _fast_ids(v)
     if data.find(_FALSE_BYTE, start) >= 0 or data.find(_TRUE_BYTE, start) >= 0:
         return _fast_ids(v)
     try:
@@ -667,25 +665,25 @@ def _fast_heartbeat(items: list[Any], data: bytes) -> Message | None:
         and _fast_uint(seq)
         and _fast_time(t_send)
     ):
-        if type(ids) is not list or len(ids) < _TAIL_CHECK_MIN:
+        if type(ids) is list and len(ids) >= _TAIL_CHECK_MIN:
+            # Where the id list starts, at the earliest: every field before it in its shortest
+            # msgpack form (magic, array header, version and type as fixints, a float as float32).
+            start = (
+                len(MAGIC)
+                + 1  # the array header
+                + 2  # version, type
+                + (1 if len(engine) < 32 else 2)
+                + len(engine)
+                + uint_size(rank)
+                + uint_size(ranks)
+                + uint_size(session)
+                + uint_size(inc)
+                + uint_size(seq)
+                + 5
+            )
+            lease_ids = _fast_tail_ids(ids, data, start)
+        else:
             lease_ids = _fast_ids(ids)
-            return None if lease_ids is None else Heartbeat(engine, rank, ranks, session, inc, seq, t_send, lease_ids)
-        # Where the id list starts, at the earliest: every field before it in its shortest
-        # msgpack form (magic, array header, version and type as fixints, a float as float32).
-        start = (
-            len(MAGIC)
-            + 1  # the array header
-            + 2  # version, type
-            + (1 if len(engine) < 32 else 2)
-            + len(engine)
-            + uint_size(rank)
-            + uint_size(ranks)
-            + uint_size(session)
-            + uint_size(inc)
-            + uint_size(seq)
-            + 5
-        )
-        lease_ids = _fast_tail_ids(ids, data, start)
         if lease_ids is not None:
             return Heartbeat(engine, rank, ranks, session, inc, seq, t_send, lease_ids)
     return None
