@@ -13,6 +13,7 @@ reference computed by ``transformers`` alone; what an operator sees is read from
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -46,6 +47,20 @@ def served(fleet: pd.Fleet, p: str, d: str, future: Future[dict[str, Any]], expi
         return None
 
 
+@contextlib.contextmanager
+def stock_may_hang(p: str, d: str) -> Iterator[None]:
+    """One pair's turn; a stock server that stops answering /metrics while it lives is stock's
+    outcome, reported (with what its processes were doing) like `served`'s hang, not failed (CI
+    of 2026-12-07: the stock producer of the multi-turn fleet, right after serving turn 1).
+    kvlease's servers get the same patience and fail."""
+    try:
+        yield
+    except pd.Unresponsive as e:
+        if p != "p_stock":
+            raise
+        print(f"\nstock {p}->{d}: a server stopped answering (stock vLLM's own hang, reported, not failed)\n{e}")
+
+
 @pytest.fixture(scope="class")
 def push_fleet() -> Iterator[pd.Fleet]:
     yield from started_fleet("push")
@@ -56,6 +71,62 @@ def multiturn_fleet() -> Iterator[pd.Fleet]:
     yield from started_fleet("bidirectional")
 
 
+def _push_pair(fleet: pd.Fleet, p: str, d: str) -> None:
+    """Push: one pair's completion, written by its producer into its decoder's blocks."""
+    if fleet.warmup.get(f"{p}->{d}") == 0:
+        print(f"\n{p}->{d}: its warm-up hung (stock vLLM's own hang, reported at start-up): not asked again")
+        return
+    text = pd.prompt("push", f"{p}->{d}")
+    hits0 = fleet.metric(d, "vllm:external_prefix_cache_hits_total")
+    failed0 = fleet.metric(d, "vllm:nixl_num_failed_transfers_total")
+    expired0 = fleet.servers[p].log().count(_STOCK_EXPIRED)
+    answer = served(fleet, p, d, fleet.complete(p, d, text), expired0)
+    if answer is None:
+        return
+    assert answer["status"] == 200, (answer, fleet.logs(p, d))
+    assert fleet.reference[text].matches(answer), (p, d, answer["text"], fleet.reference[text])
+    assert answer["kv_transfer_params"] is None or not answer["kv_transfer_params"].get("do_remote_decode")
+    # The prompt's KV came from P's WRITE, not from a prefill on D.
+    assert fleet.metric(d, "vllm:external_prefix_cache_hits_total") > hits0, "the prompt was recomputed on D"
+    assert fleet.metric(d, "vllm:nixl_num_failed_transfers_total") == failed0
+
+
+def _two_turns(fleet: pd.Fleet, p: str, d: str) -> None:
+    """Multi-turn: one pair's two turns, turn 2's producer reading turn 1's decoder blocks back."""
+    # Turn 1's answer is long: P still holds turn 1's prompt in its own prefix cache (it
+    # prefilled it), so what it reads back from D is the answer's KV, and vLLM reads no
+    # fewer than ``kv_recompute_threshold`` (64) tokens (fewer are recomputed).
+    text = pd.prompt("turn1", f"{p}->{d}")
+    conversation = fleet.conversations[text]
+    expired0 = fleet.servers[p].log().count(_STOCK_EXPIRED)
+    turn1 = served(fleet, p, d, fleet.complete(p, d, text, max_tokens=pd.TURN1_TOKENS), expired0)
+    if turn1 is None:
+        return
+    assert turn1["status"] == 200, (turn1, fleet.logs(p, d))
+    assert conversation.turn1.matches(turn1), (p, d, turn1["text"], conversation.turn1)
+    # D kept turn 1's blocks for the next turn, and said where they are.
+    back = turn1["kv_transfer_params"]
+    assert back and back["do_remote_decode"] and back["remote_block_ids"], back
+    if p == "p_kv":
+        assert back["kvlease"]["kind"] == 1, back  # a fixed-TTL lease on D's blocks
+    # Turn 2: the conversation so far plus the user's next words, as token ids (a client
+    # sends back exactly the tokens it was served).
+    more = turn1["prompt_token_ids"][1 : 1 + pd.TURN2_MORE]
+    ids = [*turn1["prompt_token_ids"], *turn1["token_ids"], *more]
+    assert ids == conversation.turn2_ids  # what the reference's turn 2 is
+    reference = conversation.turn2
+    hits0 = fleet.metric(p, "vllm:external_prefix_cache_hits_total")
+    reads0 = fleet.metric(p, "vllm:nixl_xfer_time_seconds_count")
+    turn2 = served(fleet, p, d, fleet.complete(p, d, ids, kv_transfer_params=back), expired0)
+    if turn2 is None:
+        return
+    assert turn2["status"] == 200, (turn2, fleet.logs(p, d))
+    assert reference.matches(turn2), (p, d, turn2["text"], reference)
+    # P read turn 1's KV back from D instead of prefilling it again.
+    assert fleet.metric(p, "vllm:external_prefix_cache_hits_total") > hits0, "P recomputed turn 1"
+    assert fleet.metric(p, "vllm:nixl_xfer_time_seconds_count") > reads0
+
+
 class TestPushMode:
     def test_the_producer_writes_the_reference_kv_into_the_decoders_blocks(self, push_fleet: pd.Fleet) -> None:
         fleet = push_fleet
@@ -63,22 +134,8 @@ class TestPushMode:
         done0 = fleet.metric("p_kv", "vllm:kvlease_accesses_completed_total")
         completed0 = fleet.metric("d_kv", "vllm:kvlease_leases_completed_total")
         for p, d in pd.PAIRS:
-            if fleet.warmup.get(f"{p}->{d}") == 0:
-                print(f"\n{p}->{d}: its warm-up hung (stock vLLM's own hang, reported at start-up): not asked again")
-                continue
-            text = pd.prompt("push", f"{p}->{d}")
-            hits0 = fleet.metric(d, "vllm:external_prefix_cache_hits_total")
-            failed0 = fleet.metric(d, "vllm:nixl_num_failed_transfers_total")
-            expired0 = fleet.servers[p].log().count(_STOCK_EXPIRED)
-            answer = served(fleet, p, d, fleet.complete(p, d, text), expired0)
-            if answer is None:
-                continue
-            assert answer["status"] == 200, (answer, fleet.logs(p, d))
-            assert fleet.reference[text].matches(answer), (p, d, answer["text"], fleet.reference[text])
-            assert answer["kv_transfer_params"] is None or not answer["kv_transfer_params"].get("do_remote_decode")
-            # The prompt's KV came from P's WRITE, not from a prefill on D.
-            assert fleet.metric(d, "vllm:external_prefix_cache_hits_total") > hits0, "the prompt was recomputed on D"
-            assert fleet.metric(d, "vllm:nixl_num_failed_transfers_total") == failed0
+            with stock_may_hang(p, d):
+                _push_pair(fleet, p, d)
         # kvlease's producer wrote under the decoder's push lease, and its write-done ended that
         # lease on D (D frees nothing of a push another request's WRITE may still land in).
         wait_until(
@@ -92,7 +149,8 @@ class TestPushMode:
         assert fleet.metric("p_kv", "vllm:kvlease_accesses_completed_total") > done0
         assert fleet.metric("d_kv", "vllm:kvlease_leases_lost_total") == 0
         # Stock vLLM's producer exports none of kvlease's counters: the two pairs are what they say.
-        assert "vllm:kvlease_push_writes_posted_total" not in fleet.servers["p_stock"].metrics()
+        with stock_may_hang("p_stock", "d_stock"):
+            assert "vllm:kvlease_push_writes_posted_total" not in fleet.servers["p_stock"].metrics()
 
 
 class TestMultiTurn:
@@ -101,38 +159,8 @@ class TestMultiTurn:
         completed0 = fleet.metric("d_kv", "vllm:kvlease_leases_completed_total")
         done0 = fleet.metric("p_kv", "vllm:kvlease_accesses_completed_total")
         for p, d in pd.PAIRS:
-            # Turn 1's answer is long: P still holds turn 1's prompt in its own prefix cache (it
-            # prefilled it), so what it reads back from D is the answer's KV, and vLLM reads no
-            # fewer than ``kv_recompute_threshold`` (64) tokens (fewer are recomputed).
-            text = pd.prompt("turn1", f"{p}->{d}")
-            conversation = fleet.conversations[text]
-            expired0 = fleet.servers[p].log().count(_STOCK_EXPIRED)
-            turn1 = served(fleet, p, d, fleet.complete(p, d, text, max_tokens=pd.TURN1_TOKENS), expired0)
-            if turn1 is None:
-                continue
-            assert turn1["status"] == 200, (turn1, fleet.logs(p, d))
-            assert conversation.turn1.matches(turn1), (p, d, turn1["text"], conversation.turn1)
-            # D kept turn 1's blocks for the next turn, and said where they are.
-            back = turn1["kv_transfer_params"]
-            assert back and back["do_remote_decode"] and back["remote_block_ids"], back
-            if p == "p_kv":
-                assert back["kvlease"]["kind"] == 1, back  # a fixed-TTL lease on D's blocks
-            # Turn 2: the conversation so far plus the user's next words, as token ids (a client
-            # sends back exactly the tokens it was served).
-            more = turn1["prompt_token_ids"][1 : 1 + pd.TURN2_MORE]
-            ids = [*turn1["prompt_token_ids"], *turn1["token_ids"], *more]
-            assert ids == conversation.turn2_ids  # what the reference's turn 2 is
-            reference = conversation.turn2
-            hits0 = fleet.metric(p, "vllm:external_prefix_cache_hits_total")
-            reads0 = fleet.metric(p, "vllm:nixl_xfer_time_seconds_count")
-            turn2 = served(fleet, p, d, fleet.complete(p, d, ids, kv_transfer_params=back), expired0)
-            if turn2 is None:
-                continue
-            assert turn2["status"] == 200, (turn2, fleet.logs(p, d))
-            assert reference.matches(turn2), (p, d, turn2["text"], reference)
-            # P read turn 1's KV back from D instead of prefilling it again.
-            assert fleet.metric(p, "vllm:external_prefix_cache_hits_total") > hits0, "P recomputed turn 1"
-            assert fleet.metric(p, "vllm:nixl_xfer_time_seconds_count") > reads0
+            with stock_may_hang(p, d):
+                _two_turns(fleet, p, d)
         # kvlease: P's READ of D's blocks was proven inside D's fixed-TTL lease, and its
         # read-done freed them on D at once (not after vLLM's 480 s ``decoder_kv_blocks_ttl``).
         wait_until(

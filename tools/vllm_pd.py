@@ -131,6 +131,14 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+class Unresponsive(RuntimeError):
+    """A server that did not answer /metrics while it lived (`Server.metrics`)."""
+
+
+#: How long `Server.metrics` keeps asking a live server.
+METRICS_PATIENCE = 180.0
+
+
 @attrs.define(eq=False)
 class Server:
     """One ``vllm serve`` process (with its engine-core child) in a process group of its own."""
@@ -172,13 +180,44 @@ class Server:
     def healthy(self) -> bool:
         return self.alive() and get(self.url + "/health", timeout=2)[0] == 200
 
-    def metrics(self) -> dict[str, float]:
-        """The server's /metrics now (a loaded machine may take seconds to answer: retried)."""
-        for _ in range(3):
-            status, text = get(self.url + "/metrics", timeout=20)
+    def metrics(self, patience: float = METRICS_PATIENCE) -> dict[str, float]:
+        """The server's /metrics now. A loaded machine may take seconds to answer, so it is asked
+        again while its process lives, for `patience` seconds in all (CI of 2026-12-07: a stock
+        producer left three 20 s tries unanswered right after a completion it had served); what
+        fails says what its processes were doing and what it logged last."""
+        deadline = time.monotonic() + patience
+        while True:
+            status, text = get(self.url + "/metrics", timeout=30)
             if status == 200:
                 return parse_metrics(text)
-        raise RuntimeError(f"{self.name}: /metrics answered {status}: {text[:200]}")
+            if not self.alive() or time.monotonic() >= deadline:
+                raise Unresponsive(
+                    f"{self.name}: /metrics answered {status}: {text[:200]} ({patience:.0f} s asked)\n"
+                    f"its processes:\n{self.processes()}\n--- its log ---\n{tail(self.log(), 30)}"
+                )
+            time.sleep(1)
+
+    def processes(self) -> str:
+        """One line per process of its group: state, CPU seconds so far, resident memory, name
+        (from /proc: what a hung or starved server was doing)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        page = os.sysconf("SC_PAGE_SIZE")
+        lines = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            # rest[0] is the state; rest[2] the process group; utime, stime at 11, 12; rss at 21.
+            if int(rest[2]) != self.proc.pid:
+                continue
+            cpu = (int(rest[11]) + int(rest[12])) / tick
+            rss = int(rest[21]) * page / 2**20
+            lines.append(f"  {entry.name} {rest[0]} cpu {cpu:.1f} s rss {rss:.0f} MiB {name}")
+        return "\n".join(sorted(lines)) or "  (none left)"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
