@@ -9,12 +9,18 @@ microseconds per turn of its lease code (its part of each engine step, and the l
 turns), from the server's ``vllm:kvlease_lease_work_us`` and ``vllm:kvlease_lease_turns``; and
 how many of kvlease's reads waited for the producer's confirmation (``accesses_confirmed``).
 
-    .venv/bin/python bench/vllm_serve.py [--rounds 3] [--requests 24] [--concurrency 4] [--alone]
+    .venv/bin/python bench/vllm_serve.py [--rounds 3] [--requests 24] [--concurrency 4] [--alone | --paired]
 
 ``--alone``: one pair at a time instead of both at once, started afresh for each of its rounds
 (the stacks still alternate), with P pinned to one core and D to another (``taskset``): on a
 machine with fewer cores than four servers need, the two pairs then stop competing for the same
 cores, and a round measures its stack, not the other pair's idle polling beside it.
+
+``--paired``: both pairs started once, pinned the same way (both producers on core 0, both
+decoders on core 1), and the pair not measured frozen (SIGSTOP, every process of each of its
+servers) through the other's round: many short rounds on the same servers, each stock round next
+to a kvlease round, so the machine's drift from minute to minute falls on both alike. Prints each
+pair of rounds' ratio, their median and a 95 % bootstrap interval of that median.
 
 Needs the vLLM environment (bash engines/vllm/setup.sh). Run time: about 6 minutes (1-3 of them
 the servers' start-up); with ``--alone`` about 12 (a pair start-up per round and stack).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -42,6 +49,7 @@ def run_round(
     p, d = ("p_kv", "d_kv") if stack == "kvlease" else ("p_stock", "d_stock")
     headers = {"x-kvlease-prefill": p, "x-kvlease-decode": d}
     reads0 = _reads(fleet.get(d))
+    phases0 = _phases(fleet, p, d)
     pending: list[Any] = []
     answers: list[dict[str, Any]] = []
     start = time.monotonic()
@@ -63,7 +71,9 @@ def run_round(
     if reads0 is not None:
         time.sleep(1.0)  # a rank reports its counters to vLLM's metrics at most every 0.5 s
     reads1 = _reads(fleet.get(d))
+    phases1 = _phases(fleet, p, d)
     return {
+        "phases": {k: (phases1[k][0] - phases0[k][0], phases1[k][1] - phases0[k][1]) for k in phases1},
         "reads": None if reads0 is None or reads1 is None else (reads1[0] - reads0[0], reads1[1] - reads0[1]),
         "wall": wall,
         "ok": len(ok),
@@ -81,12 +91,24 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--lease", type=float, default=30.0, help="kv_lease_duration of every server (s)")
-    ap.add_argument("--alone", action="store_true", help="one pair at a time, P and D on a core each")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--alone", action="store_true", help="one pair at a time, P and D on a core each")
+    mode.add_argument(
+        "--paired",
+        action="store_true",
+        help="both pairs pinned alike, the one not measured frozen; ratio per round pair",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (--paired)")
     args = ap.parse_args()
+    if args.rounds < 1 or args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
+        ap.error("--rounds, --requests, --concurrency and --max-tokens must be at least 1")
     problem = pd.missing_environment()
     if problem is not None:
         sys.exit(f"bench/vllm_serve.py: {problem}")
-    results, work = run_alone(args) if args.alone else run_together(args)
+    if args.paired:
+        results, work = run_paired(args)
+    else:
+        results, work = run_alone(args) if args.alone else run_together(args)
     report(args, results, work)
 
 
@@ -106,6 +128,26 @@ def _reads(d: pd.Server | None) -> tuple[float, float] | None:
         return None
     m = d.metrics()
     return m.get("vllm:kvlease_accesses_completed_total", 0.0), m.get("vllm:kvlease_accesses_confirmed_total", 0.0)
+
+
+#: Where a completion's time goes, from each server's own histograms (sum and count): the
+#: producer's prefill and its time to the one token it makes, the decoder's queue time (its READ
+#: included: vLLM queues a request until its KV arrived), its time to first token, the READ.
+PHASES = {
+    "P queue": ("p", "vllm:request_queue_time_seconds"),
+    "P prefill": ("p", "vllm:request_prefill_time_seconds"),
+    "P TTFT": ("p", "vllm:time_to_first_token_seconds"),
+    "D queue": ("d", "vllm:request_queue_time_seconds"),
+    "D TTFT": ("d", "vllm:time_to_first_token_seconds"),
+    "D READ": ("d", "vllm:nixl_xfer_time_seconds"),
+    "D decode": ("d", "vllm:request_decode_time_seconds"),
+}
+
+
+def _phases(fleet: dict[str, pd.Server], p: str, d: str) -> dict[str, tuple[float, float]]:
+    """Each of `PHASES`: its histogram's sum and count on its server now."""
+    metrics = {"p": fleet[p].metrics(), "d": fleet[d].metrics()}
+    return {k: (metrics[w].get(f"{m}_sum", 0.0), metrics[w].get(f"{m}_count", 0.0)) for k, (w, m) in PHASES.items()}
 
 
 def _work(metrics: dict[str, float]) -> tuple[float, float]:
@@ -179,11 +221,71 @@ def run_together(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[floa
     return results, (us1 - us0, turns1 - turns0)
 
 
+def run_paired(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[float, float]]:
+    """Both pairs up once, P on core 0 and D on core 1 for each; a round runs on one pair while
+    every process of the other is stopped (SIGSTOP), so the two never share a core, and the
+    rounds alternate (stock first in even rounds) on the same servers."""
+    cores = sorted(os.sched_getaffinity(0))
+    cpus = (str(cores[0]), str(cores[1])) if len(cores) >= 2 else None
+    workdir = Path(tempfile.mkdtemp(prefix="kvlease-bench-serve-"))
+    servers: dict[str, pd.Server] = {}
+    router = client = None
+    pairs = {"stock": ("p_stock", "d_stock"), "kvlease": ("p_kv", "d_kv")}
+    frozen: list[pd.Server] = []
+    us = turns = 0.0
+    try:
+        for stack in ("stock", "kvlease"):
+            servers.update(_pair(stack, workdir, args, cpus))
+        print(f"pairs healthy after {pd.wait_healthy(list(servers.values())):.0f} s", flush=True)
+        router = pd.start_router([servers["p_stock"], servers["p_kv"]], [servers["d_stock"], servers["d_kv"]], workdir)
+        client = pd.Client()
+        warm = argparse.Namespace(**{**vars(args), "requests": 4})
+        results: dict[str, list[dict[str, Any]]] = {"stock": [], "kvlease": []}
+        for n in range(-1, args.rounds):  # round -1: handshakes and first forwards, not counted
+            for stack in ("stock", "kvlease") if n % 2 == 0 else ("kvlease", "stock"):
+                other = "kvlease" if stack == "stock" else "stock"
+                for s in frozen:
+                    s.thaw()
+                frozen = [servers[name] for name in pairs[other]] if n >= 0 else []
+                for s in frozen:
+                    s.freeze()
+                run_round(servers, client, router, stack, warm, n)  # a thawed server's first steps
+                work0 = _work(servers["p_kv"].metrics()) if stack == "kvlease" else None
+                r = run_round(servers, client, router, stack, args, n)
+                if work0 is not None:
+                    work1 = _work(servers["p_kv"].metrics())
+                    us, turns = us + work1[0] - work0[0], turns + work1[1] - work0[1]
+                if n < 0:
+                    continue
+                results[stack].append(r)
+                print(f"round {n} {stack:8s} {r['rps']:.2f} completions/s, TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, "
+                      f"p90 {r['ttft_p90'] * 1000:.0f} ms, failed {r['failed']}", flush=True)  # fmt: skip
+    finally:
+        for s in frozen:
+            s.thaw()
+        _teardown(servers, workdir, router, client)
+    return results, (us, turns)
+
+
+def paired_ratios(
+    results: dict[str, list[dict[str, Any]]], key: str, seed: int
+) -> tuple[list[float], float, float, float]:
+    """Each round's kvlease / stock ratio of `key`, their median, and a 95 % bootstrap interval of
+    that median (2,000 resamples of the rounds)."""
+    ratios = [k[key] / s[key] for s, k in zip(results["stock"], results["kvlease"], strict=True)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    return ratios, statistics.median(ratios), medians[int(0.025 * len(medians))], medians[int(0.975 * len(medians)) - 1]
+
+
 def report(args: Any, results: dict[str, list[dict[str, Any]]], work: tuple[float, float]) -> None:
     def med(stack: str, key: str) -> float:
         return statistics.median(r[key] for r in results[stack])
 
-    how = "one pair at a time, P and D on a core each" if args.alone else "both pairs up together"
+    if args.paired:
+        how = "both pairs pinned alike, the other frozen"
+    else:
+        how = "one pair at a time, P and D on a core each" if args.alone else "both pairs up together"
     print(f"\n{args.rounds} rounds x {args.requests} streamed completions, concurrency {args.concurrency}, "
           f"{args.max_tokens} tokens, lease {args.lease:g} s, {how} (medians over rounds)")  # fmt: skip
     print(f"{'':10s} {'completions/s':>14s} {'TTFT p50 ms':>12s} {'TTFT p90 ms':>12s} {'failed':>7s}")
@@ -194,6 +296,20 @@ def report(args: Any, results: dict[str, list[dict[str, Any]]], work: tuple[floa
     print(f"{'ratio':10s} {med('kvlease', 'rps') / med('stock', 'rps'):14.3f} "
           f"{med('kvlease', 'ttft_p50') / med('stock', 'ttft_p50'):12.3f} "
           f"{med('kvlease', 'ttft_p90') / med('stock', 'ttft_p90'):12.3f}   (kvlease / stock)")  # fmt: skip
+    print("where the time goes (mean ms per completion, from each server's histograms, all rounds):")
+    print(f"{'':10s} " + " ".join(f"{k:>10s}" for k in PHASES))
+    for stack in ("stock", "kvlease"):
+        cells = []
+        for k in PHASES:
+            total = sum(r["phases"][k][0] for r in results[stack])
+            count = sum(r["phases"][k][1] for r in results[stack])
+            cells.append(f"{total / count * 1000:10.1f}" if count else f"{'-':>10s}")
+        print(f"{stack:10s} " + " ".join(cells))
+    if args.paired:
+        for key, what in (("rps", "completions/s"), ("ttft_p50", "TTFT p50")):
+            ratios, mid, lo, hi = paired_ratios(results, key, args.seed)
+            print(f"{what} ratio per round pair: {' '.join(f'{r:.3f}' for r in ratios)}")
+            print(f"  median {mid:.3f}, 95 % bootstrap interval of the median [{lo:.3f}, {hi:.3f}]")
     us, turns = work
     done = sum(r["ok"] for r in results["kvlease"])
     counted = [r["reads"] for r in results["kvlease"] if r.get("reads") is not None]

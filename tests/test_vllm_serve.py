@@ -58,6 +58,11 @@ def test_happy_path_text_equals_reference_and_kv_came_over_nixl(fleet: pd.Fleet)
     assert fleet.metric("d_kv", "vllm:kvlease_accesses_completed_total") > done0, (
         "kvlease's decoder saw its lease end and recomputed (the text is the reference)\n" + fleet.logs("p_kv", "d_kv")
     )
+    # The producer's paced step for held blocks waits on the engine core's input queue (a request
+    # that arrives ends it), found on the scheduler's call stack inside the real server.
+    p_log = fleet.servers["p_kv"].log()
+    assert "a step for held blocks alone waits at most" in p_log, fleet.logs("p_kv")
+    assert "input queue is not on the scheduler's call stack" not in p_log
     wait_until(lambda: fleet.metric("p_kv", "vllm:kvlease_leases_completed_total") >= 1, 30, "P's read-done")
 
 

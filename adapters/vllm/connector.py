@@ -37,6 +37,7 @@ import logging
 import operator
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -66,6 +67,7 @@ from kvlease import (
 )
 
 from ._metrics import KVLEASE_COUNTERS, KvleaseConnectorStats, KvleasePromMetrics
+from ._pause import InputPause, engine_input_queue
 from ._settings import (
     AdapterSettings,
     TransferBound,
@@ -101,7 +103,8 @@ PUMP_IDLE = 0.05
 #: producer, each a round trip to every worker, for as long as any lease was held (on a 2-core
 #: host, CPU its decoders needed). The workers' lease pumps answer heartbeats between steps; a
 #: step only reports frees to the scheduler, so a lease's end reaches vLLM's block pool at
-#: most this much later on an idle producer (a busy one steps anyway).
+#: most this much later on an idle producer (a busy one steps anyway). The pause ends early when
+#: a request reaches the engine's input queue: it runs on the engine's own thread.
 HELD_STEP_EVERY = 0.05
 
 
@@ -266,6 +269,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         # reports them in finished_sending): the engine must keep stepping meanwhile.
         self._kv_held: set[str] = set()
         self._kv_held_step_due = 0.0  # when the next step for held blocks alone may run
+        self._kv_pause: InputPause | None = None  # `_kv_find_input`'s, made on the first step
 
     def has_pending_push_work(self) -> bool:
         """True while this producer holds blocks under a lease. vLLM 0.33 lets an engine whose
@@ -367,17 +371,19 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._kv_tracked.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self._kv_pause is None:
+            self._kv_pause = self._kv_find_input(sys._getframe(1))
         if (
             self._kv_held
             and not scheduler_output.total_num_scheduled_tokens
             and not (self._kv_grants or self._kv_fixed or self._kv_track or self._kv_untrack)
         ):
-            # A step for held blocks alone (see HELD_STEP_EVERY): paced, a new request waits at
-            # most that long more.
+            # A step for held blocks alone (see HELD_STEP_EVERY): paced by a pause that a new
+            # request (or an abort) ends at once (`_kv_find_input`).
             now = time.monotonic()
             if now < self._kv_held_step_due:
-                time.sleep(self._kv_held_step_due - now)
-                now = self._kv_held_step_due
+                self._kv_pause(self._kv_held_step_due - now)
+                now = time.monotonic()
             self._kv_held_step_due = now + HELD_STEP_EVERY
         meta = super().build_connector_meta(scheduler_output)
         meta.kvlease = {
@@ -392,6 +398,28 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         }
         self._kv_grants, self._kv_fixed, self._kv_track, self._kv_untrack = {}, {}, {}, []
         return meta
+
+    @staticmethod
+    def _kv_find_input(frame: Any) -> InputPause:
+        """The pause of a step for held blocks alone: it runs on the engine's own thread, and
+        waits on the engine core's input queue, found once on the scheduler's call stack, so a
+        request (or an abort) that arrives ends it at once (`_pause.InputPause`). A plain sleep
+        there held every request that came in meanwhile: on a producer that holds blocks all
+        the time (a loaded one) 15 ms more to its first token, measured (bench/vllm_serve.py
+        --paired). Said once in the log, either way."""
+        pause = InputPause(engine_input_queue(frame))
+        if pause.wakes_on_input:
+            log.info(
+                "kvlease: a step for held blocks alone waits at most %g s, or until a request arrives",
+                HELD_STEP_EVERY,
+            )
+        else:
+            log.warning(
+                "kvlease: the engine core's input queue is not on the scheduler's call stack: a step for held "
+                "blocks alone sleeps %g s, and a request that arrives meanwhile waits for it",
+                HELD_STEP_EVERY,
+            )
+        return pause
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
@@ -628,8 +656,19 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
             # request's lease, or erase its loss record, and let its READ run unleased.
             for req_id in kv.get("untrack", ()):
                 self._kv_untrack(driver, req_id)
-            for req_id, info in kv.get("track", {}).items():
+            tracks = kv.get("track", {})
+            for req_id, info in tracks.items():
                 self._kv_track(driver, req_id, info)
+            if tracks:
+                # The new leases' first heartbeat leaves now, before this step's READs are
+                # posted and its forward runs: its acknowledgement then has the whole forward
+                # to come back, and a READ that ends inside the window it grants completes in
+                # this step's `get_transfer_results` instead of waiting for the producer's
+                # verdict and vLLM's next step (left to the lease pump, the heartbeat left up to
+                # a pump period later, behind the forward for the interpreter: most READs
+                # waited one more decoder step for their first token).
+                self._kv_drain()
+                self._kv_events.extend(driver.step())
             deferred, self._kv_deferred = self._kv_deferred, []
             for req_id, meta in deferred:
                 self._read_blocks_for_req(req_id, meta)
