@@ -78,7 +78,7 @@ cmd=${1:-test}
 case "$cmd" in
   -h|--help|help)
     sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-    echo "With no command: test (the whole suite, engines included: 15-30 minutes)."
+    echo "With no command: test (the whole suite, engines included: 45-55 minutes on 2 cores)."
     exit 0 ;;
 esac
 setup
