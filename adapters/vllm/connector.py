@@ -270,6 +270,7 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         self._kv_held: set[str] = set()
         self._kv_held_step_due = 0.0  # when the next step for held blocks alone may run
         self._kv_pause: InputPause | None = None  # `_kv_find_input`'s, made on the first step
+        self._kv_after_compute = False  # whether the last step scheduled any token
 
     def has_pending_push_work(self) -> bool:
         """True while this producer holds blocks under a lease. vLLM 0.33 lets an engine whose
@@ -373,13 +374,22 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self._kv_pause is None:
             self._kv_pause = self._kv_find_input(sys._getframe(1))
+        computes = bool(scheduler_output.total_num_scheduled_tokens)
+        after_compute, self._kv_after_compute = self._kv_after_compute, computes
         if (
             self._kv_held
-            and not scheduler_output.total_num_scheduled_tokens
+            and not computes
+            and not after_compute
             and not (self._kv_grants or self._kv_fixed or self._kv_track or self._kv_untrack)
         ):
             # A step for held blocks alone (see HELD_STEP_EVERY): paced by a pause that a new
-            # request (or an abort) ends at once (`_kv_find_input`).
+            # request (or an abort) ends at once (`_kv_find_input`). Never the step right after
+            # one that computed: with vLLM's async scheduling (0.33's default) the engine
+            # schedules that step while the previous one still runs and takes the previous
+            # one's output only after it, so a pause there held back the prefill's own token
+            # (the producer's answer to the router) and the requests it finished, whose grants
+            # every decoder's first heartbeat waits for (the pinner holds a heartbeat naming a
+            # lease not granted yet).
             now = time.monotonic()
             if now < self._kv_held_step_due:
                 self._kv_pause(self._kv_held_step_due - now)
