@@ -193,16 +193,22 @@ def run_alone(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[float, 
     return results, (us, turns)
 
 
+def _start_both(servers: dict[str, pd.Server], workdir: Path, args: Any, cpus: tuple[str, str] | None) -> pd.Router:
+    """Both pairs started into `servers` (their caller stops them) and waited for, and the
+    router in front of them."""
+    for stack in ("stock", "kvlease"):
+        servers.update(_pair(stack, workdir, args, cpus))
+    print(f"pairs healthy after {pd.wait_healthy(list(servers.values())):.0f} s", flush=True)
+    return pd.start_router([servers["p_stock"], servers["p_kv"]], [servers["d_stock"], servers["d_kv"]], workdir)
+
+
 def run_together(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[float, float]]:
     """Both pairs up at once, the rounds alternating between them."""
     workdir = Path(tempfile.mkdtemp(prefix="kvlease-bench-serve-"))
     servers: dict[str, pd.Server] = {}
     router = client = None
     try:
-        for stack in ("stock", "kvlease"):
-            servers.update(_pair(stack, workdir, args, None))
-        print(f"pairs healthy after {pd.wait_healthy(list(servers.values())):.0f} s", flush=True)
-        router = pd.start_router([servers["p_stock"], servers["p_kv"]], [servers["d_stock"], servers["d_kv"]], workdir)
+        router = _start_both(servers, workdir, args, None)
         client = pd.Client()
         for stack in ("stock", "kvlease"):  # warm-up: handshakes, first forwards
             run_round(servers, client, router, stack, argparse.Namespace(**{**vars(args), "requests": 4}), -1)
@@ -234,10 +240,7 @@ def run_paired(args: Any) -> tuple[dict[str, list[dict[str, Any]]], tuple[float,
     frozen: list[pd.Server] = []
     us = turns = 0.0
     try:
-        for stack in ("stock", "kvlease"):
-            servers.update(_pair(stack, workdir, args, cpus))
-        print(f"pairs healthy after {pd.wait_healthy(list(servers.values())):.0f} s", flush=True)
-        router = pd.start_router([servers["p_stock"], servers["p_kv"]], [servers["d_stock"], servers["d_kv"]], workdir)
+        router = _start_both(servers, workdir, args, cpus)
         client = pd.Client()
         warm = argparse.Namespace(**{**vars(args), "requests": 4})
         results: dict[str, list[dict[str, Any]]] = {"stock": [], "kvlease": []}

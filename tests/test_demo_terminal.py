@@ -11,25 +11,14 @@ from pathlib import Path
 
 import pexpect
 import pytest
+from procstat import proc_stats
 
 pytestmark = pytest.mark.slow
 
 
 def children_of(pid: int) -> set[int]:
     """Pids whose parent is `pid`, from /proc."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Format: pid (comm) state ppid ...; comm may contain spaces, so split after ')'.
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid:
-            out.add(int(entry.name))
-    return out
+    return {child for child, _name, fields in proc_stats() if int(fields[1]) == pid}
 
 
 def alive(pid: int) -> bool:

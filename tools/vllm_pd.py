@@ -34,6 +34,7 @@ import attrs
 import openai_serving as serving
 from openai_serving import Held, Reference, tail, wait_until
 from ports import free_port
+from procstat import proc_stats
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,20 +204,12 @@ class Server:
         tick = os.sysconf("SC_CLK_TCK")
         page = os.sysconf("SC_PAGE_SIZE")
         lines = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
+        for pid, name, fields in proc_stats():
+            if int(fields[2]) != self.proc.pid:
                 continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-            # rest[0] is the state; rest[2] the process group; utime, stime at 11, 12; rss at 21.
-            if int(rest[2]) != self.proc.pid:
-                continue
-            cpu = (int(rest[11]) + int(rest[12])) / tick
-            rss = int(rest[21]) * page / 2**20
-            lines.append(f"  {entry.name} {rest[0]} cpu {cpu:.1f} s rss {rss:.0f} MiB {name}")
+            cpu = (int(fields[11]) + int(fields[12])) / tick
+            rss = int(fields[21]) * page / 2**20
+            lines.append(f"  {pid} {fields[0]} cpu {cpu:.1f} s rss {rss:.0f} MiB {name}")
         return "\n".join(sorted(lines)) or "  (none left)"
 
     def log(self) -> str:
