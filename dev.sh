@@ -32,13 +32,25 @@ setup() {
 
 # The engine environments for the adapter tests: vLLM and SGLang pin their own torch builds, so
 # each gets a venv of its own (.venv-vllm, .venv-sglang), created and kept up to date by
-# engines/<name>/setup.sh (a no-op when its inputs have not changed).
+# engines/<name>/setup.sh (a no-op when its inputs have not changed). The scripts share nothing
+# but pip's cache, so they run side by side (on a fresh machine most of their time is waiting
+# on downloads and unpacking); any that fails fails this, named.
 engines() {
-  local s
+  local s i failed=0
+  local -a pids=() scripts=()
   for s in engines/*/setup.sh; do
     [ -f "$s" ] || continue
-    bash "$s"
+    bash "$s" &
+    pids+=("$!")
+    scripts+=("$s")
   done
+  for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+      echo "dev.sh: ${scripts[$i]} failed" >&2
+      failed=1
+    fi
+  done
+  return "$failed"
 }
 
 # The engine environments a selection of tests needs: a test file names its engine

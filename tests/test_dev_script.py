@@ -65,3 +65,34 @@ def test_help_names_every_command_the_script_forwards() -> None:
     r = subprocess.run(["bash", "dev.sh", "check", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "--inject-bug" in r.stdout
+
+
+def _engines_in(folder: Path) -> subprocess.CompletedProcess[str]:
+    """dev.sh's `engines`, sourced alone and run (under the script's `set -euo pipefail`) in
+    `folder`, whose engines/*/setup.sh stand in for the real ones."""
+    script = (ROOT / "dev.sh").read_text()
+    body = script[script.index("engines() {") :]
+    body = body[: body.index("\n}\n") + 3]
+    return subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + body + "engines\necho after"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_engine_setups_run_side_by_side_and_one_that_fails_fails_the_run(tmp_path: Path) -> None:
+    # a waits for b to have started: run in turn (a first), a would give up and fail.
+    wait_for_b = "for i in $(seq 300); do [ -f b.started ] && break; sleep 0.1; done; [ -f b.started ]"
+    for name, body in (("a", f"{wait_for_b}; touch a.done"), ("b", "touch b.started; exit 3")):
+        (tmp_path / "engines" / name).mkdir(parents=True)
+        (tmp_path / "engines" / name / "setup.sh").write_text(f"set -e\n{body}\n")
+    r = _engines_in(tmp_path)
+    assert r.returncode != 0 and "after" not in r.stdout, r
+    assert "dev.sh: engines/b/setup.sh failed" in r.stderr
+    assert "engines/a/setup.sh" not in r.stderr, "the setups ran one after the other"
+    assert (tmp_path / "a.done").exists()
+    (tmp_path / "engines" / "b" / "setup.sh").write_text("touch b.started b.done\n")
+    r = _engines_in(tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "after", r
+    assert (tmp_path / "b.done").exists()
