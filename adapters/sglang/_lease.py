@@ -220,7 +220,12 @@ class LeaseRuntime:
         #: prefill ended it) while the prefill was heard from after the release (alive: a WRITE
         #: of it may still be running, longer than the access bound) puts its room in
         #: `_dest_drain`. A prefill silent since the release is presumed dead, as at an expiry.
+        #: The prefill's own word after the release (its access-done, or its release as posted:
+        #: it ends at expiry + G all the same) takes the lease out (`_heard_after_release`).
         self._released_expiry: dict[int, tuple[LocalTime, float]] = {}
+        #: For each lease in `_released_expiry`: how many accessor ranks had reported it done or
+        #: released when this decode released it.
+        self._released_done: dict[int, int] = {}
         #: Rooms whose pages wait for SGLang's drain ACK too. Kept past the receiver's clear
         #: (SGLang clears it at the abort, then holds the pages): dropped when SGLang's deferred
         #: release of the room is done (`release_resolved`), the oldest first past MAX_REMEMBERED.
@@ -263,6 +268,8 @@ class LeaseRuntime:
                 with self._lock:
                     for ev in self.driver.step():
                         self._translate(ev)
+                    if self._released_expiry:
+                        self._heard_after_release()
                     # Tickets are tracked after the step, never from inside its receive: a
                     # track reads the clock, and the step's timers run on the time it started.
                     tickets, self._tickets = self._tickets, []
@@ -307,6 +314,7 @@ class LeaseRuntime:
             case Free(lease_id=lease_id, key=key, reason=reason, at=at):
                 room = _room_of(key)
                 released_expiry = self._released_expiry.pop(lease_id, None)
+                self._released_done.pop(lease_id, None)
                 if room is None:
                     return
                 if key.startswith("d:"):
@@ -763,6 +771,7 @@ class LeaseRuntime:
                     # Only this release moves it on: a lease the prefill already gave up as
                     # posted (held to expiry + G on its word) is not waiting on this decode.
                     self._released_expiry[lease_id] = (info.expiry, time.monotonic())
+                    self._released_done[lease_id] = info.accesses_done
                 self.driver.release(lease_id)
         self._flush()
 
@@ -776,6 +785,17 @@ class LeaseRuntime:
         the prefill's word) while its prefill was heard from after the release at `released`."""
         prefill = key.split(":", 2)[2]
         return at >= expiry and self.transport.heard.get(prefill, float("-inf")) > released
+
+    def _heard_after_release(self) -> None:
+        """Released destination leases the prefill has spoken for since (an accessor rank
+        counted: its access-done, or its release as posted, which holds the lease to expiry + G
+        all the same): they end on the prefill's word, whichever came first, so their end waits
+        for no drain (SGLang poisons that ACK when a post raised: it would only time out)."""
+        for lease_id, done in list(self._released_done.items()):
+            info = self.pinner.info(lease_id)
+            if info is not None and info.accesses_done > done:
+                del self._released_done[lease_id]
+                self._released_expiry.pop(lease_id, None)
 
     def dest_needs_drain(self, room: int) -> bool:
         """Decode: a destination lease of `room` that this decode released ended only at its
@@ -820,6 +840,7 @@ class LeaseRuntime:
     def _forget_dest(self, room: int) -> None:
         for lease_id in self._dest.pop(room, {}):
             self._released_expiry.pop(lease_id, None)
+            self._released_done.pop(lease_id, None)
         self._dest_closing.discard(room)
         self._dest_expired.discard(room)
 
