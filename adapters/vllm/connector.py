@@ -384,12 +384,12 @@ class KvleasePullScheduler(NixlPullConnectorScheduler):  # type: ignore[misc]
         ):
             # A step for held blocks alone (see HELD_STEP_EVERY): paced by a pause that a new
             # request (or an abort) ends at once (`_kv_find_input`). Never the step right after
-            # one that computed: with vLLM's async scheduling (0.33's default) the engine
-            # schedules that step while the previous one still runs and takes the previous
-            # one's output only after it, so a pause there held back the prefill's own token
-            # (the producer's answer to the router) and the requests it finished, whose grants
-            # every decoder's first heartbeat waits for (the pinner holds a heartbeat naming a
-            # lease not granted yet).
+            # one that computed: with vLLM's async scheduling (0.33's default on GPUs; the CPU
+            # platform turns it off) the engine schedules that step while the previous one
+            # still runs and takes the previous one's output only after it, so a pause there
+            # would hold back the prefill's own token (the producer's answer to the router) and
+            # the requests it finished, whose grants every decoder's first heartbeat waits for
+            # (the pinner holds a heartbeat naming a lease not granted yet).
             now = time.monotonic()
             if now < self._kv_held_step_due:
                 self._kv_pause(self._kv_held_step_due - now)
