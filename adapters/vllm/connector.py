@@ -106,6 +106,9 @@ PUMP_IDLE = 0.05
 #: most this much later on an idle producer (a busy one steps anyway). The pause ends early when
 #: a request reaches the engine's input queue: it runs on the engine's own thread.
 HELD_STEP_EVERY = 0.05
+#: A lease pump turn longer than this (ns) is logged at WARNING with where its time went (the
+#: agent's notifications or the driver's step): one was seen to stall a decoder's engine.
+SLOW_TURN_NS = 1_000_000_000
 
 
 def ticket_binding(params: Mapping[str, Any]) -> bytes:
@@ -634,8 +637,12 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                         drained = time.perf_counter_ns()
                         self._kv_events.extend(driver.step())
                         busy = driver.next_deadline() is not None
-                        if debug and (done := time.perf_counter_ns()) - t0 > 200_000_000:
-                            log.debug(
+                        done = time.perf_counter_ns()
+                        if done - t0 > SLOW_TURN_NS or (debug and done - t0 > 200_000_000):
+                            # A turn this long holds the engine's step too (it takes the same
+                            # lock): said at WARNING, so a stalled decoder's log says where.
+                            log.log(
+                                logging.WARNING if done - t0 > SLOW_TURN_NS else logging.DEBUG,
                                 "kvlease: slow lease pump turn: drain %.3f s, driver step %.3f s",
                                 (drained - t0) / 1e9,
                                 (done - drained) / 1e9,
