@@ -216,16 +216,14 @@ class LeaseRuntime:
         self._dest_closing: set[int] = set()  # rooms the decode cleared while a lease was live
         self._dest_expired: set[int] = set()  # rooms a destination lease of which expired
         #: Destination leases this decode released while promised: lease id -> (its expiry then,
-        #: ``time.monotonic()`` then). One that ends at that expiry or later (no word from the
-        #: prefill ended it) while the prefill was heard from after the release (alive: a WRITE
-        #: of it may still be running, longer than the access bound) puts its room in
-        #: `_dest_drain`. A prefill silent since the release is presumed dead, as at an expiry.
-        #: The prefill's own word after the release (its access-done, or its release as posted:
-        #: it ends at expiry + G all the same) takes the lease out (`_heard_after_release`).
-        self._released_expiry: dict[int, tuple[LocalTime, float]] = {}
-        #: For each lease in `_released_expiry`: how many accessor ranks had reported it done or
-        #: released when this decode released it.
-        self._released_done: dict[int, int] = {}
+        #: ``time.monotonic()`` then, how many accessor ranks had reported it done or released).
+        #: One that ends at that expiry or later (no word from the prefill ended it) while the
+        #: prefill was heard from after the release (alive: a WRITE of it may still be running,
+        #: longer than the access bound) puts its room in `_dest_drain`. A prefill silent since
+        #: the release is presumed dead, as at an expiry. The prefill's own word after the
+        #: release (its access-done, or its release as posted: it ends at expiry + G all the
+        #: same) takes the lease out (`_heard_after_release`).
+        self._released_expiry: dict[int, tuple[LocalTime, float, int]] = {}
         #: Rooms whose pages wait for SGLang's drain ACK too. Kept past the receiver's clear
         #: (SGLang clears it at the abort, then holds the pages): dropped when SGLang's deferred
         #: release of the room is done (`release_resolved`), the oldest first past MAX_REMEMBERED.
@@ -314,11 +312,10 @@ class LeaseRuntime:
             case Free(lease_id=lease_id, key=key, reason=reason, at=at):
                 room = _room_of(key)
                 released_expiry = self._released_expiry.pop(lease_id, None)
-                self._released_done.pop(lease_id, None)
                 if room is None:
                     return
                 if key.startswith("d:"):
-                    if released_expiry is not None and self._alive_past(key, *released_expiry, at):
+                    if released_expiry is not None and self._alive_past(key, *released_expiry[:2], at):
                         self._dest_drain[room] = None
                         while len(self._dest_drain) > MAX_REMEMBERED:
                             self._dest_drain.popitem(last=False)
@@ -770,8 +767,7 @@ class LeaseRuntime:
                 if info is not None and info.state is LeaseState.ACTIVE:
                     # Only this release moves it on: a lease the prefill already gave up as
                     # posted (held to expiry + G on its word) is not waiting on this decode.
-                    self._released_expiry[lease_id] = (info.expiry, time.monotonic())
-                    self._released_done[lease_id] = info.accesses_done
+                    self._released_expiry[lease_id] = (info.expiry, time.monotonic(), info.accesses_done)
                 self.driver.release(lease_id)
         self._flush()
 
@@ -791,11 +787,10 @@ class LeaseRuntime:
         counted: its access-done, or its release as posted, which holds the lease to expiry + G
         all the same): they end on the prefill's word, whichever came first, so their end waits
         for no drain (SGLang poisons that ACK when a post raised: it would only time out)."""
-        for lease_id, done in list(self._released_done.items()):
+        for lease_id, (_expiry, _released, done) in list(self._released_expiry.items()):
             info = self.pinner.info(lease_id)
             if info is not None and info.accesses_done > done:
-                del self._released_done[lease_id]
-                self._released_expiry.pop(lease_id, None)
+                del self._released_expiry[lease_id]
 
     def dest_needs_drain(self, room: int) -> bool:
         """Decode: a destination lease of `room` that this decode released ended only at its
@@ -840,7 +835,6 @@ class LeaseRuntime:
     def _forget_dest(self, room: int) -> None:
         for lease_id in self._dest.pop(room, {}):
             self._released_expiry.pop(lease_id, None)
-            self._released_done.pop(lease_id, None)
         self._dest_closing.discard(room)
         self._dest_expired.discard(room)
 
