@@ -23,6 +23,7 @@ decodes' restart as long again, the model made once into ``build/``), 13 under l
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -334,9 +335,15 @@ def test_decode_aborts_mid_write(pairs: dict[str, Pair]) -> None:
         assert p.complete("x = 1", 4)[0] == 200, kind
 
 
-def _inflight(p_url: str) -> float:
-    """P's requests whose KV it still holds for a transfer (SGLang's inflight queue)."""
-    return metric(http("GET", f"{p_url}/metrics", timeout=10)[1], "sglang:num_prefill_inflight_queue_reqs")
+def _inflight(p_url: str) -> int:
+    """P's requests whose KV it still holds for a transfer: the length of SGLang's inflight queue
+    now, from ``/v1/loads`` (the scheduler counts its queue when asked). Not the
+    ``sglang:num_prefill_inflight_queue_reqs`` gauge: SGLang refreshes it after a batch, and when
+    idle only every 30 s, so a room failed between batches showed up late (a CI run read 9.2 s for
+    a room the lease failed within its bound)."""
+    status, body = http("GET", f"{p_url}/v1/loads?include=disagg", timeout=10)
+    assert status == 200, f"P's /v1/loads answered {status}: {body[:300]}"
+    return sum(int(load["disaggregation"]["prefill_inflight_queue_reqs"]) for load in json.loads(body)["loads"])
 
 
 def _kill_decode_mid_write(p: Pair, client: serving.Client, hold: float, within: float) -> Seen:
