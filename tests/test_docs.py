@@ -246,15 +246,15 @@ def _log_formats() -> list[str]:
     out = []
     for path in [*(ROOT / "adapters").rglob("*.py"), *(ROOT / "transports").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("debug", "info", "warning", "error")
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
-            ):
-                out.append(re.sub(r"%[-.\d]*[srd]", "…", node.args[0].value))
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            # log.warning(FORMAT, ...), and log.log(LEVEL, FORMAT, ...)
+            at = {"debug": 0, "info": 0, "warning": 0, "error": 0, "log": 1}.get(node.func.attr)
+            if at is None or len(node.args) <= at:
+                continue
+            fmt = node.args[at]
+            if isinstance(fmt, ast.Constant) and isinstance(fmt.value, str):
+                out.append(re.sub(r"%[-.\d]*[srdfg]", "…", fmt.value))
     return out
 
 

@@ -3,10 +3,13 @@ agent, no vLLM and no NIXL; the real agent is exercised by tests/test_vllm_adapt
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import msgpack
 import pytest
+from kvlease.adapters.vllm import _transport as transport_module
 from kvlease.adapters.vllm._transport import (
     HELLO_MAGIC,
     ConnectorTransport,
@@ -243,3 +246,50 @@ def test_idle_says_whether_the_drivers_next_step_has_anything_from_the_transport
     assert not d.idle()
     assert d.poll_transfers() == [TransferResult(h, True)]
     assert d.idle()
+
+
+class SlowAgent(Agent):
+    """An agent whose calls block (a NIXL call stuck in a connection, say)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def send_notif(self, name: object, notif_msg: bytes = b"") -> None:
+        time.sleep(self.delay)
+        super().send_notif(name, notif_msg)
+
+    def add_remote_agent(self, md: bytes) -> bytes:
+        time.sleep(self.delay)
+        return super().add_remote_agent(md)
+
+
+def test_a_slow_agent_call_is_logged_naming_the_call_and_the_peer(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each call runs under the worker's lease lock, which the engine's step also takes: one that
+    blocks is said at WARNING (the call and its peer), and a quick one is not."""
+    monkeypatch.setattr(transport_module, "SLOW_CALL_NS", 20_000_000)
+    agent = SlowAgent(0.0)
+    t = ConnectorTransport(agent, "P", 0, {}, lambda e: None)
+    t.feed("agent-d0", hello())
+    (req,) = t.poll_handshakes()
+    assert isinstance(req, HandshakeRequest)
+    with caplog.at_level(logging.WARNING, logger="kvlease.adapters.vllm"):
+        t.answer_handshake(req.token, b"REPLY")
+        assert not [r for r in caplog.records if "took" in r.getMessage()]
+        agent.delay = 0.05
+        t.send("D", 0, b"ack")
+    slow = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert len(slow) == 1 and slow[0].startswith("kvlease: send_notif (agent-d0) took "), slow
+    caplog.clear()
+    t.feed("agent-d1", hello(rank=1, md=b"d1"))
+    (req,) = t.poll_handshakes()
+    assert isinstance(req, HandshakeRequest)
+    with caplog.at_level(logging.WARNING, logger="kvlease.adapters.vllm"):
+        t.answer_handshake(req.token, b"REPLY")
+    slow = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert [m.split(" took ")[0] for m in slow] == [
+        "kvlease: loading a kvlease accessor's agent (D)",
+        "kvlease: send_notif (agent-d1)",
+    ], slow

@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -51,6 +52,13 @@ log = logging.getLogger("kvlease.adapters.vllm")
 #: or a kvlease frame, so it is never mistaken for a vLLM notification or a native message.
 HELLO_MAGIC: Final = b"\xc1\x4bH"
 _MAX_HELLO: Final = 1 << 20
+#: A NIXL or vLLM call of this transport that takes longer (ns) is logged at WARNING, naming it:
+#: each runs under the worker's lease lock, which the engine's step also takes.
+SLOW_CALL_NS: Final = 250_000_000
+
+
+def _slow(what: str, began_ns: int, peer: object) -> None:
+    log.warning("kvlease: %s (%s) took %.3f s", what, _text(peer), (time.perf_counter_ns() - began_ns) / 1e9)
 
 
 #: The key of a kvlease push producer's claim in the ``kv_transfer_params`` it returns
@@ -195,10 +203,13 @@ class ConnectorTransport:
         for name in agents:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("kvlease notif out to %s (%s rank %s): %d bytes", name, engine_id, rank, len(data))
+            t0 = time.perf_counter_ns()
             try:
                 self._agent.send_notif(name, notif_msg=data)
             except Exception as exc:
                 raise PeerUnreachable(engine_id, rank, f"send_notif: {exc}") from None
+            if time.perf_counter_ns() - t0 > SLOW_CALL_NS:
+                _slow("send_notif", t0, name)
 
     def _agents_of(self, engine_id: str, rank: int | None) -> list[str]:
         if rank is not None:
@@ -234,12 +245,15 @@ class ConnectorTransport:
         if not agents:
             fut = self._waiting.get(engine_id)
             if fut is None:
+                t0 = time.perf_counter_ns()
                 try:
                     fut = self._ensure_handshake(engine_id)
                 except KeyError as exc:
                     del self._hellos[engine_id]
                     self._handshakes.append(HandshakeFailed(engine_id, f"no side channel known: {exc}"))
                     return
+                if time.perf_counter_ns() - t0 > SLOW_CALL_NS:
+                    _slow("starting vLLM's handshake", t0, engine_id)
                 if fut is None:
                     agents = self._remote_agents.get(engine_id) or {}
                 else:
@@ -254,6 +268,7 @@ class ConnectorTransport:
                 return
         del self._hellos[engine_id]
         self._waiting.pop(engine_id, None)
+        t0 = time.perf_counter_ns()
         hello = HELLO_MAGIC + msgpack.packb(
             {"e": self._engine_id, "r": self._rank, "md": self._agent.get_agent_metadata(), "hs": data},
             use_bin_type=True,
@@ -266,6 +281,8 @@ class ConnectorTransport:
             except Exception as exc:
                 self._handshakes.append(HandshakeFailed(engine_id, f"send_notif: {exc}"))
                 return
+        if time.perf_counter_ns() - t0 > SLOW_CALL_NS:
+            _slow("the kvlease hello (agent metadata and send)", t0, engine_id)
 
     def poll_handshakes(self) -> list[HandshakeEvent]:
         out, self._handshakes = self._handshakes, []
@@ -277,6 +294,7 @@ class ConnectorTransport:
             return
         engine, rank, md = req
         name = self._peers.get((engine, rank))
+        t0 = time.perf_counter_ns()
         try:
             new_name = self._agent.add_remote_agent(md)
             if isinstance(new_name, bytes):
@@ -289,6 +307,8 @@ class ConnectorTransport:
             self._peer_of.pop(name, None)
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(name)
+        if time.perf_counter_ns() - t0 > SLOW_CALL_NS:
+            _slow("loading a kvlease accessor's agent", t0, engine)
         self._peers[(engine, rank)] = new_name
         self._peer_of[new_name] = (engine, rank)
         self.send(engine, rank, data)

@@ -632,6 +632,7 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                 driver = self.kvlease_driver
                 if driver is not None:
                     t0 = time.perf_counter_ns()
+                    cpu0 = time.thread_time_ns()
                     try:
                         self._kv_drain()
                         drained = time.perf_counter_ns()
@@ -640,12 +641,15 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
                         done = time.perf_counter_ns()
                         if done - t0 > SLOW_TURN_NS or (debug and done - t0 > 200_000_000):
                             # A turn this long holds the engine's step too (it takes the same
-                            # lock): said at WARNING, so a stalled decoder's log says where.
+                            # lock): said at WARNING, so a stalled decoder's log says where. The
+                            # thread's own CPU time tells work from waiting (for the interpreter
+                            # behind another thread, for the OS, or in a blocking call).
                             log.log(
                                 logging.WARNING if done - t0 > SLOW_TURN_NS else logging.DEBUG,
-                                "kvlease: slow lease pump turn: drain %.3f s, driver step %.3f s",
+                                "kvlease: slow lease pump turn: drain %.3f s, driver step %.3f s, thread CPU %.3f s",
                                 (drained - t0) / 1e9,
                                 (done - drained) / 1e9,
+                                (time.thread_time_ns() - cpu0) / 1e9,
                             )
                     except Exception:  # never let the pump die: the engine's steps go on
                         log.exception("kvlease: lease pump step failed")
@@ -657,9 +661,23 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
         self._kv_stop.set()
         super().shutdown()
 
+    def _kv_acquire(self, what: str) -> None:
+        """Take the lease lock for the engine's step (`what`). A wait longer than
+        `SLOW_TURN_NS` is logged at WARNING: the engine stood still that long behind the lease
+        pump (the clock is read only when the lock is not free at once)."""
+        if self._kv_lock.acquire(blocking=False):
+            return
+        t0 = time.perf_counter_ns()
+        self._kv_lock.acquire()
+        if (waited := time.perf_counter_ns() - t0) > SLOW_TURN_NS:
+            log.warning("kvlease: the engine's step waited %.3f s for the lease lock (%s)", waited / 1e9, what)
+
     def start_load_kv(self, metadata: Any) -> None:
-        with self._kv_lock:
+        self._kv_acquire("start_load_kv")
+        try:
             self._kv_start_load(metadata)
+        finally:
+            self._kv_lock.release()
 
     def _kv_start_load(self, metadata: Any) -> None:
         t0 = time.perf_counter_ns()
@@ -911,35 +929,41 @@ class KvleasePullWorker(_KvleaseWorkerBase, NixlPullConnectorWorker):  # type: i
     _kv_quiet_mark: int = -1
 
     def get_transfer_results(self) -> Any:
-        with self._kv_lock:
-            res = super().get_transfer_results()
-            t0 = time.perf_counter_ns()
-            try:
-                driver = self.kvlease_driver
-                if driver is None:
-                    return self._kv_transfer_results(res)
-                if (
-                    driver.changes == self._kv_quiet_mark
-                    and not self._kv_events
-                    and not self._kv_unframed
-                    and not (self._kv_reading and res.finished_recving)
-                    and self.kvlease_transport.idle()
-                    and time.monotonic() < self._kv_quiet_until
-                ):
-                    # Nothing arrived, nothing called the driver, no timer or stats report is
-                    # due: the driver's step would change nothing (most steps of a busy server).
-                    return res
-                res = self._kv_transfer_results(res)
-                self._kv_quiet_mark = driver.changes
-                self._kv_quiet_until = min(driver.idle_until(), self._kv_stats_due)
+        self._kv_acquire("get_transfer_results")
+        try:
+            return self._kv_get_transfer_results()
+        finally:
+            self._kv_lock.release()
+
+    def _kv_get_transfer_results(self) -> Any:
+        res = super().get_transfer_results()
+        t0 = time.perf_counter_ns()
+        try:
+            driver = self.kvlease_driver
+            if driver is None:
+                return self._kv_transfer_results(res)
+            if (
+                driver.changes == self._kv_quiet_mark
+                and not self._kv_events
+                and not self._kv_unframed
+                and not (self._kv_reading and res.finished_recving)
+                and self.kvlease_transport.idle()
+                and time.monotonic() < self._kv_quiet_until
+            ):
+                # Nothing arrived, nothing called the driver, no timer or stats report is
+                # due: the driver's step would change nothing (most steps of a busy server).
                 return res
-            finally:
-                self._kv_work_ns += time.perf_counter_ns() - t0
-                self._kv_turns += 1
-                if self._kv_work_ns >= 1_000_000:  # reported once a millisecond of work piled up
-                    us, self._kv_work_ns = divmod(self._kv_work_ns, 1000)
-                    self.xfer_stats.record_kvlease({"lease_work_us": us, "lease_turns": self._kv_turns})
-                    self._kv_turns = 0
+            res = self._kv_transfer_results(res)
+            self._kv_quiet_mark = driver.changes
+            self._kv_quiet_until = min(driver.idle_until(), self._kv_stats_due)
+            return res
+        finally:
+            self._kv_work_ns += time.perf_counter_ns() - t0
+            self._kv_turns += 1
+            if self._kv_work_ns >= 1_000_000:  # reported once a millisecond of work piled up
+                us, self._kv_work_ns = divmod(self._kv_work_ns, 1000)
+                self.xfer_stats.record_kvlease({"lease_work_us": us, "lease_turns": self._kv_turns})
+                self._kv_turns = 0
 
     def _kv_transfer_results(self, res: Any) -> Any:
         """vLLM's transfer results of this step, with kvlease's verdicts on READs and its frees
