@@ -42,7 +42,9 @@ def served(fleet: pd.Fleet, p: str, d: str, future: Future[dict[str, Any]], expi
         try:
             return future.result(timeout=600)
         except TimeoutError:
-            raise AssertionError(f"kvlease {p}->{d}: no answer in 600 s\n{fleet.logs(p, d)}") from None
+            raise AssertionError(
+                f"kvlease {p}->{d}: no answer in 600 s\n{fleet.logs(p, d)}\n{fleet.stacks(p, d)}"
+            ) from None
     t0 = time.monotonic()
     expired_at: float | None = None
     while not future.done():
@@ -187,3 +189,9 @@ class TestMultiTurn:
         )
         assert fleet.metric("p_kv", "vllm:kvlease_accesses_completed_total") > done0
         assert fleet.metric("p_kv", "vllm:kvlease_stale_reads_caught_total") == 0
+        # The hang report's stack dump (`served`) works on a live server and leaves it serving:
+        # the engine core (vLLM's handshake listener) and the worker (kvlease's lease pump) both
+        # answer SIGUSR2.
+        dump = fleet.stacks("d_kv")
+        assert "_nixl_handshake_listener" in dump and "_kv_pump_loop" in dump, dump[-3000:]
+        assert fleet.servers["d_kv"].healthy()

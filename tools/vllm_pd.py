@@ -656,6 +656,19 @@ class Fleet:
     def logs(self, *names: str) -> str:
         return "\n".join(f"--- {n} ---\n{tail(self.servers[n].log(), 15)}" for n in names)
 
+    def stacks(self, *names: str, settle: float = 3.0, lines: int = 400) -> str:
+        """Every thread's Python stack in each process of the named servers, now: SIGUSR2 (the
+        bench shim's handler writes them to the server's log from the signal handler, so a
+        process stalled behind its interpreter lock answers too), then what each log gained in
+        `settle` seconds, its last `lines` lines."""
+        sizes = {n: len(self.servers[n].log()) for n in names}
+        for n in names:
+            self.servers[n].signal(signal.SIGUSR2)
+        time.sleep(settle)
+        return "\n".join(
+            f"--- {n}: stacks on SIGUSR2 ---\n{tail(self.servers[n].log()[sizes[n] :], lines)}" for n in names
+        )
+
 
 @attrs.frozen
 class Outcome:

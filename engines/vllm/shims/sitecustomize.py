@@ -16,7 +16,9 @@ kvlease alike.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
 if hasattr(os, "sched_setaffinity"):
@@ -30,6 +32,15 @@ if hasattr(os, "sched_setaffinity"):
 
     os.sched_setaffinity = _keep_every_core
 
+
+# -- every thread's stack on demand (the bench's reports of a server that stood still) -----------
+#
+# SIGUSR2 makes each process of a bench server (API server, engine core, worker) write every
+# thread's Python stack to its stderr, the server's log, from the signal handler itself: no
+# thread of the process needs to run, so a process stalled behind its interpreter lock or a
+# blocking call still answers (`tools/vllm_pd.Fleet.stacks`). vLLM registers nothing on SIGUSR2.
+if hasattr(signal, "SIGUSR2"):
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 # -- kvlease's stale-read protection switched off (a demonstration, never a deployment) ----------
 #
