@@ -57,8 +57,11 @@ _MAX_HELLO: Final = 1 << 20
 SLOW_CALL_NS: Final = 250_000_000
 
 
-def _slow(what: str, began_ns: int, peer: object) -> None:
-    log.warning("kvlease: %s (%s) took %.3f s", what, _text(peer), (time.perf_counter_ns() - began_ns) / 1e9)
+def _say_if_slow(what: str, began_ns: int, peer: object) -> None:
+    """Log `what` (a call to `peer` begun at `began_ns`) at WARNING when it took over `SLOW_CALL_NS`."""
+    took = time.perf_counter_ns() - began_ns
+    if took > SLOW_CALL_NS:
+        log.warning("kvlease: %s (%s) took %.3f s", what, _text(peer), took / 1e9)
 
 
 #: The key of a kvlease push producer's claim in the ``kv_transfer_params`` it returns
@@ -208,8 +211,7 @@ class ConnectorTransport:
                 self._agent.send_notif(name, notif_msg=data)
             except Exception as exc:
                 raise PeerUnreachable(engine_id, rank, f"send_notif: {exc}") from None
-            if time.perf_counter_ns() - t0 > SLOW_CALL_NS:
-                _slow("send_notif", t0, name)
+            _say_if_slow("send_notif", t0, name)
 
     def _agents_of(self, engine_id: str, rank: int | None) -> list[str]:
         if rank is not None:
@@ -252,8 +254,7 @@ class ConnectorTransport:
                     del self._hellos[engine_id]
                     self._handshakes.append(HandshakeFailed(engine_id, f"no side channel known: {exc}"))
                     return
-                if time.perf_counter_ns() - t0 > SLOW_CALL_NS:
-                    _slow("starting vLLM's handshake", t0, engine_id)
+                _say_if_slow("starting vLLM's handshake", t0, engine_id)
                 if fut is None:
                     agents = self._remote_agents.get(engine_id) or {}
                 else:
@@ -281,8 +282,7 @@ class ConnectorTransport:
             except Exception as exc:
                 self._handshakes.append(HandshakeFailed(engine_id, f"send_notif: {exc}"))
                 return
-        if time.perf_counter_ns() - t0 > SLOW_CALL_NS:
-            _slow("the kvlease hello (agent metadata and send)", t0, engine_id)
+        _say_if_slow("the kvlease hello (agent metadata and send)", t0, engine_id)
 
     def poll_handshakes(self) -> list[HandshakeEvent]:
         out, self._handshakes = self._handshakes, []
@@ -307,8 +307,7 @@ class ConnectorTransport:
             self._peer_of.pop(name, None)
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(name)
-        if time.perf_counter_ns() - t0 > SLOW_CALL_NS:
-            _slow("loading a kvlease accessor's agent", t0, engine)
+        _say_if_slow("loading a kvlease accessor's agent", t0, engine)
         self._peers[(engine, rank)] = new_name
         self._peer_of[new_name] = (engine, rank)
         self.send(engine, rank, data)
