@@ -162,6 +162,13 @@ class Pair:
             "--served-model-name", "tiny", "--dtype", "float32", "--attention-backend", "torch_native",
             "--disable-overlap-schedule", "--mem-fraction-static", "0.1", "--max-total-tokens", "32768",
             "--disaggregation-transfer-backend", "nixl", "--enable-metrics",
+            # An idle scheduler waits on its input sockets instead of spinning: without it each of
+            # the four servers' schedulers turned at 100 % CPU with nothing to do, and on two cores
+            # they took most of the machine from whatever else ran (a decode restarted in 200 s,
+            # the transformers reference took 77 s). Only a fully idle scheduler sleeps (nothing
+            # queued, in flight or awaiting a deferred release; SGLang's ``is_fully_idle``), and
+            # a request wakes it at once: the same on both pairs.
+            "--sleep-on-idle",
         ]  # fmt: skip
         ports = self.ports
         p_args = [*common, "--port", str(ports[0]), "--disaggregation-mode", "prefill",

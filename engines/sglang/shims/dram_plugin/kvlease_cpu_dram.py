@@ -9,6 +9,9 @@ registers every KV buffer as ``DRAM``. It is a separate plugin, not part of kvle
 where SGLang's memory lives, not about leases, and stock SGLang needs it as much (the real-pair
 test runs stock SGLang with it too). kvlease composes with it in either load order.
 
+It also slows NIXL's UCX progress thread from a busy loop to a poll every millisecond
+(`_quiet_progress_thread`), for the same reason the vLLM bench does (engines/vllm/shims).
+
 Found on ``PYTHONPATH`` through ``kvlease_cpu_dram-0.0.0.dist-info`` (entry point ``cpu_dram_kv``
 in ``sglang.srt.plugins``); nothing is pip-installed. Select with ``SGLANG_PLUGINS`` (e.g.
 ``kvlease,cpu_dram_kv``).
@@ -47,7 +50,36 @@ def _around_get_kv_class(original: Any, transfer_backend: Any, class_type: Any, 
     return cls
 
 
+#: The UCX progress thread's pause between polls when idle, microseconds (NIXL's ``pthrDelay``).
+PROGRESS_THREAD_DELAY_US = 1000
+
+
+def _quiet_progress_thread() -> None:
+    """NIXL's Python agent starts the UCX backend's progress thread with ``pthrDelay = 0``: it polls
+    UCX without pause, a whole core per server process even when nothing moves (seen: each
+    SGLang server's scheduler process at 100 % CPU while idle, in that thread). A GPU host has
+    cores to spare; this bench runs four servers on two cores, where those loops took most of the
+    machine (a decode restarted in 3 minutes, not 1). Here the thread waits up to a millisecond
+    between polls instead, for stock SGLang and kvlease alike; transfers still progress whenever
+    SGLang polls them, as they always do."""
+    import nixl._api as api
+
+    make = api.nixlBind.nixlAgent
+    if getattr(make, "_kvlease_quiet", False):
+        return
+
+    def agent(name: str, config: Any) -> Any:
+        if config.pthrDelay == 0:
+            config.pthrDelay = PROGRESS_THREAD_DELAY_US
+        return make(name, config)
+
+    agent._kvlease_quiet = True  # type: ignore[attr-defined]
+    api.nixlBind.nixlAgent = agent
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    _quiet_progress_thread()
 
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _around_get_kv_class, HookType.AROUND)
