@@ -16,8 +16,9 @@ the decode's pages is held in flight (the test-only straggler plugin, tests/sgla
 D aborts the request (D must keep the pages until the WRITE landed), D is SIGKILLed (how long P
 keeps the request's KV; D is started again after), P is SIGKILLed (when D lets the pages go).
 
-Cost: about 6-8 minutes on an idle 2-core machine (start-up of both pairs together ~90 s, the
-decodes' restart as long again, the model made once into ``build/``), 13 under load.
+Cost: about 5 minutes on a 2-core machine (2026-12-07: start-up of both pairs together 92 s, the
+decodes' restart 30 s, the model made once into ``build/``; 11-12 minutes before the idle servers
+stopped spinning, docs/sglang.md).
 ``KVLEASE_SGLANG_PAIR=0`` skips the module.
 """
 

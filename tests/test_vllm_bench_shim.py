@@ -1,5 +1,7 @@
-"""The vLLM bench's `sitecustomize` (engines/vllm/shims, on the bench servers' PYTHONPATH): its
-on-demand stack dump, which the bench's hang reports use (`tools/vllm_pd.Fleet.stacks`)."""
+"""The bench shims: the vLLM bench's `sitecustomize` (engines/vllm/shims, on the bench servers'
+PYTHONPATH): its on-demand stack dump, which the bench's hang reports use
+(`tools/vllm_pd.Fleet.stacks`); and its pause for NIXL's progress thread, which SGLang's
+host-memory plugin (engines/sglang/shims/dram_plugin) applies too."""
 
 from __future__ import annotations
 
@@ -60,3 +62,59 @@ def test_sigusr2_dumps_every_threads_stack_while_one_holds_the_interpreter() -> 
     bare.send_signal(signal.SIGUSR2)
     assert bare.wait(timeout=30) == -signal.SIGUSR2
     assert b"holding_the_interpreter" not in bare.communicate(timeout=30)[1]
+
+
+#: An idle NIXL agent made the way vLLM and SGLang make theirs (`nixl_agent`, its progress thread
+#: on), then the pause its progress thread was started with and the process's CPU time over a
+#: second of nothing to do.
+IDLE_AGENT = """
+import sys, time
+{setup}
+import nixl._api as api
+
+config = api.nixlBind.nixlAgentConfig(True)  # progress thread on, NIXL's pause: 0
+config.pthrDelay = 0
+api.nixlBind.nixlAgent("probe", config)
+agent = api.nixl_agent("idle", api.nixl_agent_config())
+t0 = time.process_time()
+time.sleep(1.0)
+print(config.pthrDelay, round(time.process_time() - t0, 3))
+"""
+
+#: Each bench shim that quiets NIXL's progress thread: its folder and what loads it (the vLLM
+#: servers' `sitecustomize` by being on the path; SGLang's host-memory plugin when SGLang
+#: registers it).
+QUIETING_SHIMS = {
+    "vllm": (SHIMS, ""),
+    "sglang": (
+        SHIMS.parent.parent / "sglang" / "shims" / "dram_plugin",
+        "import kvlease_cpu_dram\nkvlease_cpu_dram._quiet_progress_thread()",
+    ),
+}
+
+
+def _idle_agent(folder: Path | None, setup: str) -> tuple[int, float]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["UCX_NET_DEVICES"] = "lo"
+    if folder is not None:
+        env["PYTHONPATH"] = str(folder)
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_AGENT.format(setup=setup)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    delay, cpu = out.stdout.splitlines()[-1].split()  # NIXL logs to stdout before it
+    return int(delay), float(cpu)
+
+
+@pytest.mark.parametrize("engine", sorted(QUIETING_SHIMS))
+def test_the_shim_gives_nixls_progress_thread_a_pause(engine: str) -> None:
+    """NIXL's own agent starts its UCX progress thread with no pause between polls (a busy core per
+    server); under the bench's shim the thread waits up to a millisecond. Asserted on the setting
+    the agent was made with; the CPU an idle agent used is printed, not asserted (a shared
+    machine)."""
+    folder, setup = QUIETING_SHIMS[engine]
+    bare_delay, bare_cpu = _idle_agent(None, "")
+    delay, cpu = _idle_agent(folder, setup)
+    print(f"\nidle NIXL agent, CPU seconds over 1 s: {bare_cpu} as NIXL makes it, {cpu} under the {engine} shim")
+    assert bare_delay == 0, "NIXL's default changed: the shim may no longer be needed"
+    assert delay == 1000

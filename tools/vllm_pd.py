@@ -439,6 +439,11 @@ def frozen(*servers: Server) -> Iterator[None]:
 # -- the fleet the suite, the benchmark and the demo run -------------------------------------
 
 P_BLOCKS = 48  # P's KV cache (blocks of 32 tokens): small, so other requests reuse a freed block
+#: D's KV cache (blocks of 32 tokens, 128 MiB here): two fillers at their most (64 Ki tokens) and as
+#: much again for the scenarios. Not left to ``VLLM_CPU_KVCACHE_SPACE`` (1 GiB: 32,768 blocks):
+#: a decoder spent 28-41 s of its start-up, on a loaded 2-core machine, setting up a cache that
+#: size (P, at 48 blocks, under a second).
+D_BLOCKS = 4096
 D_SEQS = 2  # D's sequence slots: two fillers keep a request waiting in D's queue
 FILLER_TOKENS = D_MAX_MODEL_LEN - 64  # a filler's most: it is held, then cancelled, long before
 MAX_TOKENS = 16
@@ -524,6 +529,7 @@ class Fleet:
                 CONSUMER,
                 self.workdir,
                 lease=self.lease,
+                blocks=D_BLOCKS,
                 max_num_seqs=D_SEQS,
                 max_model_len=D_MAX_MODEL_LEN if pull else MAX_MODEL_LEN,  # fillers: pull's scenarios only
                 env={"KVLEASE_BENCH_UNPROTECTED_READS": "1"} if self.unprotected and connector == KVLEASE else None,
