@@ -86,34 +86,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _Finder())
 
-# -- NIXL's UCX progress thread: a poll every millisecond, not a busy loop ------------------------
-#
-# NIXL's Python agent (`nixl_agent`) starts the UCX backend's progress thread with
-# ``pthrDelay = 0``: it polls UCX without pause, a core per agent even when nothing moves (seen:
-# each idle SGLang server at 100 % CPU in that thread, in gdb; vLLM's worker makes its agent the
-# same way). A GPU host has cores to spare; this bench runs four servers on two cores. Here the
-# thread waits up to `PROGRESS_THREAD_DELAY_US` between polls, for stock vLLM and kvlease alike;
-# every transfer still progresses whenever vLLM or kvlease polls NIXL, as they do every step.
-PROGRESS_THREAD_DELAY_US = 1000
-
-
-def _quiet_progress_thread(api: ModuleType) -> None:
-    bindings = getattr(api, "nixlBind", None)
-    if bindings is None:
-        return  # another NIXL than the one this was written against: left as it is
-    make = bindings.nixlAgent
-
-    def agent(name: str, config: object) -> object:
-        if config.pthrDelay == 0:  # type: ignore[attr-defined]
-            config.pthrDelay = PROGRESS_THREAD_DELAY_US  # type: ignore[attr-defined]
-        return make(name, config)
-
-    bindings.nixlAgent = agent
-
-
-#: The wheel's own module (the ``nixl`` meta package imports it by this name and aliases it).
-_AFTER_IMPORT[re.compile(r"nixl_(cu\d+|rocm)\._api")] = _quiet_progress_thread
-
 # -- kvlease's stale-read protection switched off (a demonstration, never a deployment) ----------
 #
 # With KVLEASE_BENCH_UNPROTECTED_READS=1 in a kvlease decoder's environment, its worker READs
