@@ -42,50 +42,6 @@ if hasattr(os, "sched_setaffinity"):
 if hasattr(signal, "SIGUSR2"):
     faulthandler.register(signal.SIGUSR2, all_threads=True)
 
-# -- patches applied when a module is first imported ----------------------------------------------
-
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import re
-from collections.abc import Callable
-from types import ModuleType
-
-#: Module name pattern -> what to do to the module once it has run.
-_AFTER_IMPORT: dict[re.Pattern[str], Callable[[ModuleType], None]] = {}
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, then: Callable[[ModuleType], None]) -> None:
-        self.inner = inner
-        self.then = then
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        self.then(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        then = next((fn for pattern, fn in _AFTER_IMPORT.items() if pattern.fullmatch(name)), None)
-        if then is None:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _Loader(spec.loader, then)
-        return spec
-
-
-sys.meta_path.insert(0, _Finder())
-
 # -- kvlease's stale-read protection switched off (a demonstration, never a deployment) ----------
 #
 # With KVLEASE_BENCH_UNPROTECTED_READS=1 in a kvlease decoder's environment, its worker READs
@@ -94,6 +50,12 @@ sys.meta_path.insert(0, _Finder())
 # check, and nothing else in the bench, is what keeps another request's KV out of the completion
 # (`python tools/vllm_pd.py demo --switch-off-protection`).
 if os.environ.get("KVLEASE_BENCH_UNPROTECTED_READS") == "1":
+    import importlib.abc
+    import importlib.machinery
+    import importlib.util
+    from types import ModuleType
+
+    _TARGET = "kvlease.adapters.vllm.connector"
 
     def _unprotect(module: ModuleType) -> None:
         worker = module.KvleasePullWorker
@@ -104,4 +66,29 @@ if os.environ.get("KVLEASE_BENCH_UNPROTECTED_READS") == "1":
         worker._read_blocks_for_req = _read_as_stock
         print("kvlease bench shim: this decoder's READs do not consult their leases", file=sys.stderr, flush=True)
 
-    _AFTER_IMPORT[re.compile(re.escape("kvlease.adapters.vllm.connector"))] = _unprotect
+    class _Loader(importlib.abc.Loader):
+        def __init__(self, inner: importlib.abc.Loader) -> None:
+            self.inner = inner
+
+        def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+            return self.inner.create_module(spec)
+
+        def exec_module(self, module: ModuleType) -> None:
+            self.inner.exec_module(module)
+            _unprotect(module)
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
+            if name != _TARGET:
+                return None
+            sys.meta_path.remove(self)
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(0, self)
+            if spec is None or spec.loader is None:
+                return spec
+            spec.loader = _Loader(spec.loader)
+            return spec
+
+    sys.meta_path.insert(0, _Finder())

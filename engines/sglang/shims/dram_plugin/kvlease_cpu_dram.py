@@ -10,7 +10,8 @@ where SGLang's memory lives, not about leases, and stock SGLang needs it as much
 test runs stock SGLang with it too). kvlease composes with it in either load order.
 
 It also slows NIXL's UCX progress thread from a busy loop to a poll every millisecond
-(`_quiet_progress_thread`), for the same reason the vLLM bench does (engines/vllm/shims).
+(`_quiet_progress_thread`), on this small test host only (docs/sglang.md; the vLLM bench tried
+the same and took it out, docs/vllm-serve.md).
 
 Found on ``PYTHONPATH`` through ``kvlease_cpu_dram-0.0.0.dist-info`` (entry point ``cpu_dram_kv``
 in ``sglang.srt.plugins``); nothing is pip-installed. Select with ``SGLANG_PLUGINS`` (e.g.
